@@ -1,0 +1,171 @@
+"""The interface every backend implements, and the spawn preparation they share.
+
+A backend knows how to own processes (create a turn, put processes in it, enumerate and kill them,
+store the turn's record). It knows nothing of timeouts, supervision or the CLI; the ownership layer
+(`cgturn.manager`) composes these primitives into begin/spawn/complete/abandon.
+"""
+from __future__ import annotations
+
+import abc
+import errno
+import os
+import shutil
+import subprocess
+from typing import Callable, Iterable
+
+from ..model import TurnRecord
+
+ENV_TASK = "CGTURN_TASK"
+ENV_TURN = "CGTURN_TURN"
+# Which manager (managed root or registry database) a process belongs to, so that two managers on one
+# host with the same task and turn names never take each other's processes. Its value is opaque.
+ENV_SCOPE = "CGTURN_SCOPE"
+
+# Popen keyword arguments that would defeat ownership; refused with a clear error.
+_REFUSED_KWARGS = ("executable",)
+
+Member = tuple[int, int]  # (pid, start time in clock ticks since boot)
+
+
+class Backend(abc.ABC):
+    """One way of owning processes. Methods take turn records; they never decide policy."""
+
+    name: str = "?"
+
+    @property
+    @abc.abstractmethod
+    def scope(self) -> str:
+        """An opaque string naming this manager's territory (root path or database path)."""
+
+    @property
+    @abc.abstractmethod
+    def location(self) -> str:
+        """What to show users as where turns live (managed root, or the registry database)."""
+
+    # --- records and state ------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def create_turn(self, record: TurnRecord) -> None:
+        """Create the turn and store `record`. Raises TurnExists if the turn id is taken.
+
+        A completed turn with no processes left is not 'taken': it is removed and replaced.
+        """
+
+    @abc.abstractmethod
+    def load(self, task_key: str, turn_key: str) -> TurnRecord | None:
+        """The stored record of a turn, or None when the turn does not exist."""
+
+    @abc.abstractmethod
+    def records(self, task_key: str | None = None) -> list[TurnRecord]:
+        """Records of every existing turn (of one task when given)."""
+
+    @abc.abstractmethod
+    def transition(self, task_key: str, turn_key: str, allowed_from: Iterable[str], to_state: str,
+                   updates: dict) -> tuple[bool, TurnRecord | None]:
+        """Atomically move a turn from one of `allowed_from` to `to_state`, across processes.
+
+        `updates` are further TurnRecord fields set in the same step (ended_at, reason, killer_*).
+
+        Returns (won, record after the call). `won` is False when the turn was in another state
+        (the first transition wins) or does not exist (record None).
+        """
+
+    # --- membership -------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def spawn(self, record: TurnRecord, argv: list[str], popen_kwargs: dict) -> subprocess.Popen:
+        """Start a process that is inside the turn before it runs the target program."""
+
+    @abc.abstractmethod
+    def adopt(self, record: TurnRecord, pid: int) -> None:
+        """Make an existing process (and what it starts from now on) part of the turn."""
+
+    @abc.abstractmethod
+    def members(self, record: TurnRecord) -> list[Member]:
+        """Live processes the turn owns."""
+
+    @abc.abstractmethod
+    def contains_caller(self, record: TurnRecord) -> bool:
+        """True if the calling process is one of the turn's processes (killing it is refused)."""
+
+    # --- killing ----------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def signal_members(self, record: TurnRecord, sig: int) -> list[int]:
+        """Send `sig` to every member; returns the pids signalled."""
+
+    @abc.abstractmethod
+    def kill_members(self, record: TurnRecord) -> list[int]:
+        """SIGKILL every member, as race-free against forks as the backend can; pids hit."""
+
+    @abc.abstractmethod
+    def kill_where(self, record: TurnRecord, doomed: Callable[[int, int], bool]) -> list[int]:
+        """Hold the turn still (freeze/SIGSTOP), SIGKILL members with doomed(pid, start), resume."""
+
+    @abc.abstractmethod
+    def wait_empty(self, record: TurnRecord, timeout: float) -> bool:
+        """Wait, event-driven, until the turn has no live process; True if it got there in time."""
+
+    @abc.abstractmethod
+    def remove(self, record: TurnRecord) -> bool:
+        """Forget an empty turn (rmdir its cgroup / drop its rows). False if it still has processes."""
+
+    @abc.abstractmethod
+    def remove_task(self, task_key: str) -> bool:
+        """Forget a task that has no turns left. False if it still has some."""
+
+    # --- observation --------------------------------------------------------------------------------
+
+    def usage(self, record: TurnRecord, pids: list[int]) -> tuple[float, int | None]:
+        """(cpu seconds, memory bytes or None) used by the turn; backends refine this."""
+        return 0.0, None
+
+    def close(self) -> None:
+        """Release resources (threads, database connections)."""
+
+
+# --- spawn preparation shared by both backends ----------------------------------------------------
+
+def prepare_spawn(argv, popen_kwargs: dict, env_additions: dict[str, str]) -> tuple[list[str], str, dict]:
+    """Normalise a spawn request: resolve the program, add the turn's environment.
+
+    Resolving in the parent keeps Popen's behaviour for a missing or non-executable program
+    (FileNotFoundError / PermissionError raised by spawn) even though a shim may run first.
+
+    Returns (argv as a list of str, the program's resolved path, Popen kwargs with `env` filled in).
+    """
+    kwargs = dict(popen_kwargs)
+    for name in _REFUSED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"Turn.spawn does not support {name}=; put the program in argv[0]")
+        kwargs.pop(name, None)
+    if kwargs.pop("shell", False):
+        if not isinstance(argv, (str, bytes)):
+            argv = subprocess.list2cmdline(list(argv))
+        argv = ["/bin/sh", "-c", os.fsdecode(argv)]
+    elif isinstance(argv, (str, bytes, os.PathLike)):
+        argv = [os.fsdecode(argv)]
+    else:
+        argv = [os.fsdecode(a) for a in argv]
+    if not argv:
+        raise ValueError("Turn.spawn needs a non-empty argv")
+    env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
+    env.update(env_additions)
+    kwargs["env"] = env
+    program = resolve_program(argv[0], env.get("PATH", os.defpath), kwargs.get("cwd"))
+    return argv, program, kwargs
+
+
+def resolve_program(program: str, path: str, cwd=None) -> str:
+    """The executable `program` names, as execvp would find it; raise as Popen would when it cannot."""
+    if "/" in program:
+        candidate = program if os.path.isabs(program) or cwd is None else os.path.join(os.fsdecode(cwd), program)
+        if not os.path.exists(candidate):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+        if os.path.isdir(candidate) or not os.access(candidate, os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), program)
+        return candidate
+    found = shutil.which(program, path=path)
+    if found is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+    return found

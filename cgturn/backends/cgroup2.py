@@ -1,0 +1,277 @@
+"""The cgroup v2 backend: every turn is a child cgroup `<root>/<task>/<turn>`; membership is ownership.
+
+Spawn: a `/bin/sh` shim writes its own pid into the turn's cgroup.procs, then execs the target, so the
+process is in the turn before the target runs one instruction, and Popen keeps using vfork/posix_spawn
+(thread-safe, no Python code between fork and exec). Measured here: ~2x plain Popen, against 2.3x for
+preexec_fn (which is also unsafe with threads) and a 1-9 % miss rate for spawn-then-move.
+
+Kill: cgroup.kill (5.14+) SIGKILLs the subtree and, via a flag checked in cgroup_post_fork, whatever is
+forked during the kill. Where it is missing or refused, freeze -> enumerate -> SIGKILL -> thaw, repeated
+until the subtree is empty (what runc does).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import subprocess
+import time
+from typing import Callable, Iterable
+
+from ..errors import TurnExists, UnsafeOperation, translate
+from ..kernel import parsers, procfs
+from ..kernel.cgroupfs import Cgroup, KillUnsupported
+from ..kernel.discovery import own_cgroup_dir
+from ..model import COMPLETED, TurnRecord
+from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn
+from .metadata import MetadataStore, locked
+
+log = logging.getLogger("cgturn")
+
+# `$0` is the cgroup.procs path, "$@" the program and its arguments. Exit 125 if joining failed, so
+# the target never runs outside its turn.
+SPAWN_SHIM = 'echo $$ > "$0" || { echo "cgturn: cannot join turn cgroup $0" >&2; exit 125; }; exec "$@"'
+FREEZE_TIMEOUT = 1.0
+FALLBACK_ROUNDS = 50
+
+
+class Cgroup2Backend(Backend):
+    name = "cgroup2"
+
+    def __init__(self, root: str, mount: str, state_dir: str, fsroot: str = "/", use_xattrs: bool = True):
+        self.root = Cgroup(os.path.normpath(root))
+        self.mount, self.fsroot = mount, fsroot
+        self.meta = MetadataStore(state_dir, use_xattrs)
+        # Decided once, on first refusal (trio-style capability flag); tests set it to force the
+        # freeze fallback.
+        self.cgroup_kill_works = True
+
+    @property
+    def scope(self) -> str:
+        return self.root.path
+
+    @property
+    def location(self) -> str:
+        return self.root.path
+
+    def turn_cgroup(self, task_key: str, turn_key: str) -> Cgroup:
+        return self.root.child(task_key).child(turn_key)
+
+    def _cg(self, record: TurnRecord) -> Cgroup:
+        return self.turn_cgroup(record.task_key, record.turn_key)
+
+    # --- records and state ------------------------------------------------------------------------
+
+    def ensure_root(self) -> None:
+        self.root.create()
+
+    def create_turn(self, record: TurnRecord) -> None:
+        self.ensure_root()
+        task = self.root.child(record.task_key)
+        cg = task.child(record.turn_key)
+        for _ in range(20):  # a concurrent remove_task may rmdir the task between our two mkdirs
+            task.create()
+            try:
+                os.mkdir(cg.path)
+            except FileNotFoundError:
+                continue
+            except FileExistsError:
+                if not self._replace_finished(cg):
+                    raise TurnExists(f"turn {record.turn_id!r} already exists in task {record.task_id!r}") from None
+                continue
+            except OSError as err:
+                raise translate("mkdir", cg.path, err) from err
+            self.meta.save(cg, record)
+            return
+        raise TurnExists(f"could not create turn {record.turn_id!r}: its task directory keeps vanishing")
+
+    def _replace_finished(self, cg: Cgroup) -> bool:
+        """Remove an existing turn cgroup if it is a completed turn with nothing left in it."""
+        rec = self.meta.load(cg)
+        if rec is None or rec.state != COMPLETED or cg.populated():
+            return False
+        removed = cg.remove_tree(timeout=0.5)
+        if removed:
+            self.meta.forget(cg)
+        return removed
+
+    def load(self, task_key: str, turn_key: str) -> TurnRecord | None:
+        cg = self.turn_cgroup(task_key, turn_key)
+        rec = self.meta.load(cg)
+        if rec is None and cg.exists():
+            return None  # being created (metadata not written yet) or foreign: not ours to show
+        return rec
+
+    def records(self, task_key: str | None = None) -> list[TurnRecord]:
+        tasks = [self.root.child(task_key)] if task_key is not None else self.root.children()
+        out = []
+        for task in tasks:
+            for cg in task.children():
+                rec = self.meta.load(cg)
+                if rec is not None:
+                    out.append(rec)
+        return out
+
+    def transition(self, task_key, turn_key, allowed_from: Iterable[str], to_state, updates):
+        cg = self.turn_cgroup(task_key, turn_key)
+        with locked(cg) as present:
+            if not present:
+                return False, None
+            rec = self.meta.load(cg)
+            if rec is None or rec.state not in allowed_from:
+                return False, rec
+            rec.state = to_state
+            for name, value in updates.items():
+                setattr(rec, name, value)
+            self.meta.save(cg, rec)
+            return True, rec
+
+    # --- membership -------------------------------------------------------------------------------
+
+    def env_for(self, record: TurnRecord) -> dict[str, str]:
+        return {ENV_TASK: record.task_key, ENV_TURN: record.turn_key, ENV_SCOPE: self.scope}
+
+    def spawn(self, record, argv, popen_kwargs) -> subprocess.Popen:
+        argv, program, kwargs = prepare_spawn(argv, popen_kwargs, self.env_for(record))
+        procs = self._cg(record).file("cgroup.procs")
+        return subprocess.Popen(["/bin/sh", "-c", SPAWN_SHIM, procs, program, *argv[1:]], **kwargs)
+
+    def adopt(self, record, pid) -> None:
+        self._cg(record).move_in(pid)
+
+    def members(self, record) -> list[Member]:
+        out = []
+        for pid in self._cg(record).procs_recursive():
+            started = procfs.start_time(pid)
+            if started is not None:
+                out.append((pid, started))
+        return out
+
+    def contains_caller(self, record) -> bool:
+        return self._contains_caller(self._cg(record))
+
+    def _contains_caller(self, cg: Cgroup) -> bool:
+        return self._under(cg, procfs.cgroup_of("self") or "")
+
+    def _path_on_mount(self, rel: str) -> str | None:
+        """Where a /proc/PID/cgroup path lies on our mount; None when outside our view."""
+        if not rel:
+            return None
+        return own_cgroup_dir(self.mount, self.fsroot, f"0::{rel}\n")
+
+    # --- killing ----------------------------------------------------------------------------------
+
+    def _guard(self, cg: Cgroup) -> None:
+        """Refuse to kill or freeze outside the managed root or a cgroup holding the caller."""
+        if not cg.path.startswith(self.root.path + "/"):
+            raise UnsafeOperation(f"refusing to kill {cg.path}: outside the managed root {self.root.path}")
+        if self._contains_caller(cg):
+            raise UnsafeOperation(f"refusing to kill {cg.path}: it contains the calling process {os.getpid()}")
+
+    def signal_members(self, record, sig) -> list[int]:
+        cg = self._cg(record)
+        self._guard(cg)
+        sent = []
+        for pid in cg.procs_recursive():
+            if self._signal_if_inside(cg, pid, sig):
+                sent.append(pid)
+        return sent
+
+    def _signal_if_inside(self, cg: Cgroup, pid: int, sig: int) -> bool:
+        """Signal `pid` only if, once pinned by a pidfd, it is still inside `cg` (no PID-reuse hit)."""
+        fd = procfs.open_pidfd(pid)
+        if fd is None:
+            return False
+        try:
+            where = procfs.cgroup_of(pid)
+            if where is None or not self._under(cg, where):
+                return False
+            return procfs.pidfd_signal(fd, sig)
+        finally:
+            os.close(fd)
+
+    def _under(self, cg: Cgroup, rel: str) -> bool:
+        path = self._path_on_mount(rel)
+        return path is not None and (path == cg.path or path.startswith(cg.path + "/"))
+
+    def kill_members(self, record) -> list[int]:
+        cg = self._cg(record)
+        self._guard(cg)
+        pids = cg.procs_recursive()
+        if self.cgroup_kill_works:
+            try:
+                cg.kill()
+                return pids
+            except FileNotFoundError:
+                return pids
+            except KillUnsupported as err:
+                if not os.path.isdir(cg.path):
+                    return pids
+                log.warning("cgroup.kill unusable (%s); falling back to freeze + kill", err)
+                self.cgroup_kill_works = False
+        return sorted(set(pids) | set(self._freeze_and_kill(cg, lambda pid, start: True)))
+
+    def _freeze_and_kill(self, cg: Cgroup, doomed: Callable[[int, int], bool], rounds=FALLBACK_ROUNDS) -> list[int]:
+        """Freeze, SIGKILL what `doomed` selects, thaw; repeat until none is left to kill."""
+        killed: set[int] = set()
+        for _ in range(rounds):
+            hit = False
+            try:
+                cg.set_frozen(True)
+            except FileNotFoundError:
+                break
+            try:
+                cg.wait_events(lambda ev: ev.get("frozen", 1) == 1, FREEZE_TIMEOUT)
+                for pid in cg.procs_recursive():
+                    started = procfs.start_time(pid)
+                    if started is not None and doomed(pid, started) and self._signal_if_inside(cg, pid, signal.SIGKILL):
+                        killed.add(pid)
+                        hit = True
+            finally:
+                try:
+                    cg.set_frozen(False)
+                except FileNotFoundError:
+                    pass
+            if not hit:
+                break
+        return sorted(killed)
+
+    def kill_where(self, record, doomed) -> list[int]:
+        cg = self._cg(record)
+        self._guard(cg)
+        return self._freeze_and_kill(cg, doomed, rounds=1)
+
+    def wait_empty(self, record, timeout) -> bool:
+        return self._cg(record).wait_unpopulated(timeout)
+
+    def remove(self, record) -> bool:
+        cg = self._cg(record)
+        if not cg.remove_tree(timeout=2.0):
+            return False
+        self.meta.forget(cg)
+        return True
+
+    def remove_task(self, task_key) -> bool:
+        task = self.root.child(task_key)
+        try:
+            os.rmdir(task.path)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError as err:
+            if err.errno in (errno.EBUSY, errno.ENOTEMPTY):
+                return False
+            raise
+
+    def usage(self, record, pids):
+        cg = self._cg(record)
+        try:
+            cpu = parsers.parse_cpu_stat(cg.read("cpu.stat")).get("usage_usec", 0) / 1e6
+        except OSError:
+            cpu = 0.0
+        try:
+            mem: int | None = int(cg.read("memory.current"))
+        except (OSError, ValueError):
+            mem = None
+        return cpu, mem

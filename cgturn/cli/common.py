@@ -1,0 +1,69 @@
+"""What every subcommand shares: global options, the manager factory, JSON output, exit codes."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..errors import CgroupUnavailable, CgturnError, NoSuchTurn, PermissionDenied, TurnExists, UnsafeOperation
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+# The one table mapping library exceptions to exit codes (most specific first).
+EXIT_CODES: list[tuple[type[BaseException], int]] = [
+    (ValueError, EXIT_USAGE),
+    (TurnExists, EXIT_USAGE),
+    (NoSuchTurn, EXIT_FAILED),
+    (CgroupUnavailable, EXIT_FAILED),
+    (PermissionDenied, EXIT_FAILED),
+    (UnsafeOperation, EXIT_FAILED),
+    (CgturnError, EXIT_FAILED),
+]
+
+
+class UsageError(Exception):
+    """Bad command-line usage; reported in one line, exit 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but errors raise UsageError (one line, no usage dump) instead of exiting."""
+
+    def error(self, message: str):  # noqa: D102 - argparse API
+        raise UsageError(message)
+
+
+def add_global_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--root", help="managed root on the cgroup2 mount (env CGTURN_ROOT)")
+    parser.add_argument("--backend", choices=["auto", "cgroup2", "registry"],
+                        help="which backend to use (env CGTURN_BACKEND; default auto)")
+    parser.add_argument("--state-dir", help="registry, metadata fallback and audit log (env CGTURN_STATE_DIR)")
+
+
+def add_json_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
+def make_manager(args, recover: bool = False):
+    from ..manager import TurnManager
+    return TurnManager(root=args.root, backend=args.backend, state_dir=args.state_dir, recover=recover)
+
+
+def print_json(data) -> None:
+    json.dump(data, sys.stdout, indent=2, ensure_ascii=False)
+    sys.stdout.write("\n")
+
+
+def invoke(args) -> int:
+    """Run the chosen subcommand, mapping exceptions to exit codes with a one-line message."""
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        return 130
+    except tuple(cls for cls, _ in EXIT_CODES) as err:
+        for cls, code in EXIT_CODES:
+            if isinstance(err, cls):
+                print(f"cgturn: {err}", file=sys.stderr)
+                return code
+        raise  # pragma: no cover - the tuple above and the table are the same classes

@@ -1,0 +1,53 @@
+"""The one exception hierarchy cgturn raises, and the one place OSError is translated into it.
+
+Callers catch `CgturnError` for anything cgturn-specific and a subclass for the cases they handle.
+Invalid ids raise the builtin `ValueError`, as any Python API does for a bad argument.
+"""
+from __future__ import annotations
+
+import errno
+
+
+class CgturnError(Exception):
+    """Base of every error cgturn raises on purpose."""
+
+
+class CgroupUnavailable(CgturnError):
+    """cgroup v2 cannot be used here (not mounted, read-only, not writable, not delegated)."""
+
+
+class PermissionDenied(CgturnError):
+    """The kernel refused an operation for lack of privilege (EACCES/EPERM)."""
+
+
+class TurnExists(CgturnError):
+    """A turn with this id already exists in its task (running, or completed with survivors)."""
+
+
+class NoSuchTurn(CgturnError):
+    """No turn with this task and turn id exists."""
+
+
+class UnsafeOperation(CgturnError):
+    """A kill or freeze was refused because it would hit the caller, or lands outside the managed root."""
+
+
+class KernelError(CgturnError):
+    """A cgroupfs or procfs operation failed in a way the caller cannot handle; carries path and data."""
+
+    def __init__(self, op: str, path: str, err: OSError, data: str | None = None):
+        self.op, self.path, self.data, self.errno = op, path, data, err.errno
+        detail = f" (data {data!r})" if data is not None else ""
+        super().__init__(f"{op} {path}{detail}: {err.strerror or err}")
+
+
+def translate(op: str, path: str, err: OSError, data: str | None = None) -> CgturnError:
+    """Map an OSError from cgroupfs to the cgturn exception a caller can act on.
+
+    Returns the exception; callers `raise translate(...) from err` so the OSError stays attached.
+    """
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return PermissionDenied(f"{op} {path}: {err.strerror} (run as root or in a delegated subtree)")
+    if err.errno == errno.EROFS:
+        return CgroupUnavailable(f"{op} {path}: cgroup filesystem is read-only")
+    return KernelError(op, path, err, data)

@@ -1,0 +1,84 @@
+"""Task and turn ids: validation, and the mapping from any id to a safe cgroup directory name.
+
+Ids are arbitrary user strings (`telegram:123/abc`, unicode, 10 KB). A directory name must:
+contain no `/`, never be `.` or `..`, never clash with a kernel interface file, and fit in 255 bytes.
+Every interface file name contains a dot (`cgroup.procs`, `cpu.stat`), so names without a dot can
+never clash. The encoding is percent-encoding over a small safe alphabet (the dot is encoded), which is
+injective; names that would be too long keep a readable prefix and end in `~` plus a SHA-256 of the id.
+`~` is itself always percent-encoded, so a shortened name can never equal an unshortened one.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import time
+
+# Characters kept as they are. Everything else, including '.', '%' and '~', is %XX-encoded.
+_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-:@+=,")
+_MAX_NAME = 255
+_PREFIX_KEEP = 180  # readable part of a shortened name; 180 + 1 + 64 hex = 245 bytes
+
+# Names cgturn makes for its own use start with this character, which the encoder never emits.
+INTERNAL_PREFIX = "#"
+
+
+def is_blank(value: object) -> bool:
+    """True for an empty or whitespace-only string (CONTRACT.md: such ids match nothing)."""
+    return isinstance(value, str) and not value.strip()
+
+
+def validate(value: object, what: str) -> str:
+    """Return `value` if it is a usable id; raise ValueError with a one-line reason otherwise.
+
+    Rejected: non-strings, blank strings, strings with NUL, strings that cannot be encoded as UTF-8
+    (lone surrogates).
+    """
+    if not isinstance(value, str):
+        raise ValueError(f"{what} id must be a string, not {type(value).__name__}")
+    if not value.strip():
+        raise ValueError(f"{what} id must not be blank")
+    if "\x00" in value:
+        raise ValueError(f"{what} id must not contain NUL")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} id is not valid UTF-8 text") from None
+    return value
+
+
+def encode(value: str) -> str:
+    """Map a valid id to its directory name (see module doc). Pure; the caller validates first."""
+    raw = value.encode("utf-8")
+    out = "".join(chr(b) if chr(b) in _SAFE else f"%{b:02X}" for b in raw)
+    if len(out) <= _MAX_NAME:
+        return out
+    prefix = out[:_PREFIX_KEEP]
+    cut = prefix.rfind("%", len(prefix) - 2)  # do not leave half an escape behind
+    if cut != -1:
+        prefix = prefix[:cut]
+    return f"{prefix}~{hashlib.sha256(raw).hexdigest()}"
+
+
+def decode(name: str) -> str | None:
+    """Invert `encode` for unshortened names; None for shortened or foreign names."""
+    if "~" in name or name.startswith(INTERNAL_PREFIX):
+        return None
+    try:
+        raw = bytearray()
+        i = 0
+        while i < len(name):
+            if name[i] == "%":
+                raw.append(int(name[i + 1:i + 3], 16))
+                i += 3
+            else:
+                raw.append(ord(name[i]))
+                i += 1
+        return raw.decode("utf-8")
+    except (ValueError, IndexError):
+        return None
+
+
+def new_turn_id() -> str:
+    """A fresh turn id: sortable by creation time, unique without coordination."""
+    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}-{secrets.token_hex(3)}"

@@ -1,0 +1,281 @@
+"""The thin file layer over one cgroup v2 directory. Every cgroupfs access in cgturn goes through here.
+
+A `Cgroup` is a path and nothing else: no cached state, so two objects for one directory always agree.
+Errors carry the path and the data written. Each operation decides its errnos explicitly.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import select
+import time
+
+from ..errors import KernelError, translate
+from . import parsers
+
+PROCS_FILE = "cgroup.procs"
+EVENTS_FILE = "cgroup.events"
+KILL_FILE = "cgroup.kill"          # 5.14+
+FREEZE_FILE = "cgroup.freeze"      # 5.2+
+TYPE_FILE = "cgroup.type"
+CONTROLLERS_FILE = "cgroup.controllers"
+SUBTREE_CONTROL_FILE = "cgroup.subtree_control"
+CPU_STAT_FILE = "cpu.stat"
+MEMORY_CURRENT_FILE = "memory.current"
+CGROUP2_SUPER_MAGIC = 0x63677270
+
+# errnos with which the kernel says "cgroup.kill cannot be used here": the file is missing (< 5.14),
+# or the write is refused (EINVAL seen under some managers, EOPNOTSUPP for threaded cgroups).
+KILL_UNSUPPORTED_ERRNOS = frozenset({errno.ENOENT, errno.EINVAL, errno.EOPNOTSUPP})
+
+
+class KillUnsupported(Exception):
+    """cgroup.kill is missing or refused for this cgroup; the caller falls back to freeze + kill."""
+
+    def __init__(self, path: str, err: OSError):
+        super().__init__(f"{path}/{KILL_FILE}: {err.strerror}")
+        self.errno = err.errno
+
+
+class Cgroup:
+    """One cgroup v2 directory. Construct with the absolute path of the directory."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __repr__(self) -> str:
+        return f"Cgroup({self.path!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Cgroup) and other.path == self.path
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    def child(self, name: str) -> "Cgroup":
+        return Cgroup(os.path.join(self.path, name))
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    # --- plain reads and writes -------------------------------------------------------------------
+
+    def read(self, name: str) -> str:
+        """Read an interface file. Raises FileNotFoundError when the cgroup (or file) is gone."""
+        path = self.file(name)
+        try:
+            with open(path, encoding="ascii", errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise
+        except OSError as err:
+            raise translate("read", path, err) from err
+
+    def write(self, name: str, data: str) -> None:
+        """Write `data` to an interface file in one write(2), as the kernel expects."""
+        path = self.file(name)
+        try:
+            fd = os.open(path, os.O_WRONLY)
+        except OSError as err:
+            raise translate("open", path, err, data) from err
+        try:
+            os.write(fd, data.encode())
+        except OSError as err:
+            raise translate("write", path, err, data) from err
+        finally:
+            os.close(fd)
+
+    def exists(self) -> bool:
+        return os.path.isfile(self.file(PROCS_FILE))
+
+    def inode(self) -> int:
+        """The directory's inode number: the kernel's cgroup id (sock_diag INET_DIAG_CGROUP_ID)."""
+        return os.stat(self.path).st_ino
+
+    # --- membership -------------------------------------------------------------------------------
+
+    def procs(self) -> list[int]:
+        """Pids directly in this cgroup; [] when the cgroup is gone."""
+        try:
+            return parsers.parse_cgroup_procs(self.read(PROCS_FILE))
+        except FileNotFoundError:
+            return []
+
+    def descendants(self) -> list["Cgroup"]:
+        """Every cgroup below this one, parents before children (walk order)."""
+        out = []
+        for dirpath, dirnames, _ in os.walk(self.path):
+            out.extend(Cgroup(os.path.join(dirpath, d)) for d in dirnames)
+        return out
+
+    def children(self) -> list["Cgroup"]:
+        try:
+            return [self.child(e.name) for e in os.scandir(self.path) if e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return []
+
+    def procs_recursive(self) -> list[int]:
+        """Pids in this cgroup and every descendant (a payload may create sub-cgroups)."""
+        pids = self.procs()
+        for cg in self.descendants():
+            pids.extend(cg.procs())
+        return pids
+
+    def move_in(self, pid: int) -> None:
+        """Move a process (all its threads) into this cgroup: write its pid to cgroup.procs."""
+        self.write(PROCS_FILE, str(pid))
+
+    def events(self) -> dict[str, int]:
+        """cgroup.events as a dict; {} when the cgroup is gone."""
+        try:
+            return parsers.parse_cgroup_events(self.read(EVENTS_FILE))
+        except FileNotFoundError:
+            return {}
+
+    def populated(self) -> bool:
+        """True while any process is in this cgroup or below (cgroup.events `populated`)."""
+        return self.events().get("populated", 0) == 1
+
+    # --- killing ----------------------------------------------------------------------------------
+
+    def kill(self) -> None:
+        """SIGKILL the whole subtree atomically, forks during the kill included (cgroup.kill, 5.14+).
+
+        Raises KillUnsupported when the kernel lacks or refuses cgroup.kill for this cgroup.
+        """
+        path = self.file(KILL_FILE)
+        try:
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.write(fd, b"1")
+            finally:
+                os.close(fd)
+        except OSError as err:
+            if err.errno in KILL_UNSUPPORTED_ERRNOS:
+                raise KillUnsupported(self.path, err) from err
+            raise translate("write", path, err, "1") from err
+
+    def set_frozen(self, frozen: bool) -> None:
+        """Freeze or thaw the subtree (cgroup.freeze, 5.2+). Completion shows as `frozen 1` in events."""
+        self.write(FREEZE_FILE, "1" if frozen else "0")
+
+    def wait_events(self, done, timeout: float) -> bool:
+        """Wait until `done(events)` is true or `timeout` seconds pass; True if it became true.
+
+        Event-driven: poll(2) for POLLPRI on cgroup.events, re-reading the file at every wake-up and
+        at least every few ms, because the kernel rate-limits these notifications (~10 ms seen).
+        A vanished cgroup reads as {} and `done` decides what that means.
+        """
+        deadline = time.monotonic() + timeout
+        path = self.file(EVENTS_FILE)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return bool(done({}))
+        except OSError as err:
+            raise translate("open", path, err) from err
+        try:
+            poller = select.poll()
+            poller.register(fd, select.POLLPRI | select.POLLERR)
+            interval_ms = 1
+            while True:
+                try:
+                    text = os.pread(fd, 4096, 0).decode("ascii", "replace")
+                except OSError as err:
+                    if err.errno == errno.ENODEV:  # cgroup removed under us
+                        return bool(done({}))
+                    raise translate("read", path, err) from err
+                if done(parsers.parse_cgroup_events(text)):
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                poller.poll(min(interval_ms, max(1, int(remaining * 1000))))
+                interval_ms = min(interval_ms * 2, 20)
+        finally:
+            os.close(fd)
+
+    def wait_unpopulated(self, timeout: float) -> bool:
+        """Wait for `populated 0` (or the cgroup gone); True if it got there within `timeout`."""
+        return self.wait_events(lambda ev: ev.get("populated", 0) == 0, timeout)
+
+    # --- creation and removal ---------------------------------------------------------------------
+
+    def create(self) -> bool:
+        """mkdir this cgroup. True if created, False if it already existed."""
+        try:
+            os.mkdir(self.path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as err:
+            raise translate("mkdir", self.path, err) from err
+
+    def remove(self, timeout: float = 2.0) -> bool:
+        """rmdir this cgroup. True when it is gone, False if it still holds processes or children.
+
+        ENOENT is success. EBUSY right after the last process died is normal (populated is updated
+        asynchronously), so it is retried with a short backoff until `timeout`.
+        """
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while True:
+            try:
+                os.rmdir(self.path)
+                return True
+            except FileNotFoundError:
+                return True
+            except OSError as err:
+                if err.errno == errno.EINTR:
+                    continue
+                if err.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+                    raise translate("rmdir", self.path, err) from err
+                if time.monotonic() >= deadline:
+                    return False
+                # Wait for the kernel's asynchronous update instead of a blind sleep when we can.
+                if self.populated() and err.errno == errno.EBUSY:
+                    self.wait_unpopulated(min(delay * 4, max(0.0, deadline - time.monotonic())))
+                else:
+                    time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+
+    def remove_tree(self, timeout: float = 2.0) -> bool:
+        """rmdir this cgroup and every descendant, children first. True when all are gone."""
+        ok = True
+        for cg in reversed(self.descendants()):
+            ok = cg.remove(timeout) and ok
+        return self.remove(timeout) and ok
+
+    # --- xattrs (metadata on the cgroup itself) ----------------------------------------------------
+
+    def get_xattr(self, key: str) -> bytes | None:
+        try:
+            return os.getxattr(self.path, key)
+        except OSError as err:
+            if err.errno in (errno.ENODATA, errno.ENOENT):
+                return None
+            raise
+
+    def set_xattr(self, key: str, value: bytes) -> None:
+        os.setxattr(self.path, key, value)
+
+
+def is_cgroup2(path: str) -> bool:
+    """True if `path` lies on a cgroup2 filesystem (statfs magic CGROUP2_SUPER_MAGIC)."""
+    import ctypes
+    import ctypes.util
+
+    class _StatFs(ctypes.Structure):
+        _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_byte * 120)]
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    buf = _StatFs()
+    if libc.statfs(os.fsencode(path), ctypes.byref(buf)) != 0:
+        return False
+    return buf.f_type & 0xFFFFFFFF == CGROUP2_SUPER_MAGIC

@@ -1,0 +1,169 @@
+"""Host discovery: where cgroup v2 is mounted, where the caller sits, what the managed root can do.
+
+Read-only: nothing here creates, writes or moves anything. `probe_cgroup_kill` is the one exception
+and writes only to an empty cgroup it is handed (one the caller created).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from . import parsers
+from .cgroupfs import CONTROLLERS_FILE, KILL_FILE, PROCS_FILE, Cgroup, is_cgroup2
+
+# Where distributions mount cgroup2: unified hierarchy at /sys/fs/cgroup, hybrid at .../unified.
+CANDIDATE_MOUNTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
+MANAGED_ROOT_NAME = "cgturn"
+
+
+@dataclass
+class HostInfo:
+    """What discovery found. `problems` says, in words, why anything is unusable."""
+
+    cgroup2_mount: str | None = None
+    own_cgroup: str | None = None          # the caller's cgroup as a path on the mount (absolute)
+    managed_root: str | None = None
+    root_exists: bool = False
+    writable: bool = False
+    cgroup_kill: bool = False
+    controllers: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def usable(self) -> bool:
+        return self.cgroup2_mount is not None and self.managed_root is not None and self.writable
+
+
+def find_cgroup2_mount(env: dict[str, str] | None = None) -> tuple[str | None, str | None]:
+    """The cgroup2 mount point and the fs root it shows; (None, None) when there is none.
+
+    `CGTURN_CGROUP2_MOUNT` wins; else the first cgroup2 mount in /proc/self/mountinfo, preferring
+    the usual places.
+    """
+    env = os.environ if env is None else env
+    forced = env.get("CGTURN_CGROUP2_MOUNT")
+    if forced:
+        return (forced, "/") if is_cgroup2(forced) else (None, None)
+    try:
+        with open("/proc/self/mountinfo") as f:
+            mounts = parsers.parse_mountinfo_cgroup2(f.read())
+    except OSError:
+        return None, None
+    for candidate in CANDIDATE_MOUNTS:
+        for point, fsroot in mounts:
+            if point == candidate:
+                return point, fsroot
+    return mounts[0] if mounts else (None, None)
+
+
+def own_cgroup_dir(mount: str, fsroot: str, proc_cgroup_text: str | None = None) -> str | None:
+    """The caller's cgroup as a directory under `mount`; None when it is not visible there.
+
+    /proc/self/cgroup gives the path relative to our cgroup namespace root; the mount shows the
+    filesystem from `fsroot`. A path outside that view (`/..` prefix) is not reachable.
+    """
+    if proc_cgroup_text is None:
+        with open("/proc/self/cgroup") as f:
+            proc_cgroup_text = f.read()
+    rel = parsers.parse_proc_cgroup(proc_cgroup_text)
+    if rel is None or rel.startswith("/.."):
+        return None
+    rel = rel.removesuffix(" (deleted)")
+    if fsroot not in ("/", "") and (rel == fsroot or rel.startswith(fsroot + "/")):
+        rel = rel[len(fsroot):] or "/"
+    return os.path.normpath(os.path.join(mount, rel.lstrip("/")))
+
+
+def discover(root: str | None = None, env: dict[str, str] | None = None) -> HostInfo:
+    """Find the cgroup2 mount, the caller's cgroup and the managed root, and judge them usable.
+
+    Args:
+        root: the managed root asked for (else `CGTURN_ROOT`, else `<own cgroup>/cgturn`).
+    """
+    env = os.environ if env is None else env
+    info = HostInfo()
+    mount, fsroot = find_cgroup2_mount(env)
+    if mount is None:
+        info.problems.append("no cgroup2 filesystem is mounted (looked in /proc/self/mountinfo)")
+        return info
+    info.cgroup2_mount = mount
+    info.own_cgroup = own_cgroup_dir(mount, fsroot or "/")
+    if info.own_cgroup is None:
+        info.problems.append("the caller's cgroup is not visible under the cgroup2 mount")
+
+    root = root or env.get("CGTURN_ROOT") or None
+    if root is None:
+        if info.own_cgroup is None:
+            return info
+        root = os.path.join(info.own_cgroup, MANAGED_ROOT_NAME)
+    problem = check_root_path(root, mount)
+    if problem:
+        info.problems.append(problem)
+        return info
+    info.managed_root = root
+    info.root_exists = os.path.isfile(os.path.join(root, PROCS_FILE))
+    parent = os.path.dirname(root)
+    target = root if info.root_exists else parent
+    info.writable = os.access(target, os.W_OK | os.X_OK)
+    if not info.writable:
+        reason = "read-only filesystem" if _read_only(target) else "no write permission"
+        info.problems.append(f"{target} is not writable ({reason}): run as root or in a delegated subtree")
+    try:
+        info.controllers = parsers.parse_controllers(Cgroup(target).read(CONTROLLERS_FILE))
+    except Exception:  # noqa: BLE001 - informational only
+        info.controllers = []
+    info.cgroup_kill = probe_cgroup_kill(root) if info.writable else cgroup_kill_present(parent, mount)
+    if not info.cgroup_kill:
+        info.problems.append("cgroup.kill not found (Linux < 5.14?): abandon uses freeze + kill")
+    return info
+
+
+def check_root_path(root: str, mount: str) -> str | None:
+    """Why `root` cannot be a managed root, or None when it can (absolute, strictly below the mount)."""
+    if not os.path.isabs(root):
+        return f"managed root {root!r} is not an absolute path"
+    norm = os.path.normpath(root)
+    mount = os.path.normpath(mount)
+    if norm == mount or not norm.startswith(mount + "/"):
+        return f"managed root {root!r} is not strictly below the cgroup2 mount {mount}"
+    if not os.path.isdir(os.path.dirname(norm)):
+        return f"the parent of managed root {root!r} does not exist"
+    return None
+
+
+def probe_cgroup_kill(root: str) -> bool:
+    """Whether cgroup.kill exists for cgroups at `root` (5.14+), looking at the root itself.
+
+    When the managed root does not exist yet it is created for the look and removed again: the root
+    is ours, and the mount root never has the file, so only a real child can answer.
+    """
+    if os.path.isdir(root):
+        return os.path.exists(os.path.join(root, KILL_FILE))
+    try:
+        os.mkdir(root)
+    except OSError:
+        return False
+    try:
+        return os.path.exists(os.path.join(root, KILL_FILE))
+    finally:
+        try:
+            os.rmdir(root)
+        except OSError:
+            pass
+
+
+def cgroup_kill_present(path: str, mount: str) -> bool:
+    """Whether cgroup.kill exists at `path`; the mount root has none, so look at a child there."""
+    if os.path.normpath(path) != os.path.normpath(mount):
+        return os.path.exists(os.path.join(path, KILL_FILE))
+    for entry in os.scandir(path):
+        if entry.is_dir(follow_symlinks=False):
+            return os.path.exists(os.path.join(entry.path, KILL_FILE))
+    return False
+
+
+def _read_only(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False

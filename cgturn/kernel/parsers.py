@@ -1,0 +1,102 @@
+"""Pure parsers for kernel files, each named after the file it parses. They take text, never a path."""
+from __future__ import annotations
+
+
+def parse_flat_keyed(text: str) -> dict[str, int]:
+    """Parse a flat-keyed cgroup file (`key value` per line), e.g. cgroup.events or cpu.stat.
+
+    Lines that do not have exactly two fields with an integer value are skipped.
+    """
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) == 2:
+            try:
+                out[fields[0]] = int(fields[1])
+            except ValueError:
+                continue
+    return out
+
+
+def parse_cgroup_events(text: str) -> dict[str, int]:
+    """cgroup.events: `populated 0|1` and `frozen 0|1`."""
+    return parse_flat_keyed(text)
+
+
+def parse_cpu_stat(text: str) -> dict[str, int]:
+    """cpu.stat: `usage_usec`, `user_usec`, `system_usec`, ... (microseconds)."""
+    return parse_flat_keyed(text)
+
+
+def parse_cgroup_procs(text: str) -> list[int]:
+    """cgroup.procs / cgroup.threads: one decimal id per line."""
+    return [int(line) for line in text.split() if line.isdigit()]
+
+
+def parse_controllers(text: str) -> list[str]:
+    """cgroup.controllers / cgroup.subtree_control: space-separated controller names."""
+    return text.split()
+
+
+def parse_proc_cgroup(text: str) -> str | None:
+    """/proc/PID/cgroup: the cgroup v2 path (the `0::<path>` line), or None when there is none.
+
+    A path ending in ` (deleted)` or starting with `/..` (outside our cgroup namespace) is returned
+    as-is; callers decide what it means.
+    """
+    for line in text.splitlines():
+        if line.startswith("0::"):
+            return line[3:]
+    return None
+
+
+def parse_mountinfo_cgroup2(text: str) -> list[tuple[str, str]]:
+    """/proc/self/mountinfo: (mount point, root within the filesystem) of every cgroup2 mount.
+
+    Format (proc(5)): `id parent major:minor root mountpoint options [optional...] - fstype source sopts`.
+    Octal escapes (`\\040` for space) in paths are decoded.
+    """
+    mounts = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        if not sep:
+            continue
+        if right.split(" ", 1)[0] != "cgroup2":
+            continue
+        fields = left.split()
+        if len(fields) >= 5:
+            mounts.append((_unescape(fields[4]), _unescape(fields[3])))
+    return mounts
+
+
+def _unescape(path: str) -> str:
+    out, i = [], 0
+    while i < len(path):
+        if path[i] == "\\" and path[i + 1:i + 4].isdigit() and len(path[i + 1:i + 4]) == 3:
+            out.append(chr(int(path[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(path[i])
+            i += 1
+    return "".join(out)
+
+
+def parse_proc_stat(text: str) -> tuple[str, int, int]:
+    """/proc/PID/stat: (state, ppid, starttime). starttime is field 22, clock ticks since boot.
+
+    The command name (field 2) is in parentheses and may itself contain spaces and ')', so fields are
+    counted from the last ')'.
+    """
+    rest = text[text.rindex(")") + 2:].split()
+    # rest[0] is field 3 (state); field N is rest[N - 3].
+    return rest[0], int(rest[1]), int(rest[19])
+
+
+def parse_environ(data: bytes) -> dict[str, str]:
+    """/proc/PID/environ: NUL-separated KEY=VALUE entries (bytes; undecodable bytes are replaced)."""
+    env = {}
+    for entry in data.split(b"\0"):
+        key, sep, value = entry.partition(b"=")
+        if sep:
+            env[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+    return env

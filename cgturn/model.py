@@ -1,0 +1,79 @@
+"""Plain data shared by every layer: turn states, the turn record, results. No I/O here."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from dataclasses import dataclass, field
+
+RUNNING = "running"
+COMPLETED = "completed"
+ABANDONED = "abandoned"
+STATES = (RUNNING, COMPLETED, ABANDONED)
+
+
+@dataclass
+class TurnRecord:
+    """What is known about one turn, stored where any process can read it (xattr, file or SQLite).
+
+    `task_key`/`turn_key` are the encoded directory names; `task_id`/`turn_id` the original ids.
+    """
+
+    task_id: str
+    turn_id: str
+    task_key: str
+    turn_key: str
+    state: str = RUNNING
+    owner_pid: int | None = None
+    owner_start: int | None = None
+    reason: str | None = None
+    started_at: float = 0.0
+    ended_at: float | None = None
+    # The process carrying out an abandon (pid + start time), so `reap` can tell an interrupted kill
+    # (killer gone) from one still under way.
+    killer_pid: int | None = None
+    killer_start: int | None = None
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TurnRecord":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class AbandonResult:
+    """What `Turn.abandon` did. `skipped` is True when it killed nothing by rule (already ended)."""
+
+    killed: list[int] = field(default_factory=list)
+    skipped: bool = False
+    reason: str = ""
+    signals: list[str] = field(default_factory=list)
+    duration_ms: float = 0.0
+
+
+@dataclass
+class TurnInfo:
+    """One row of `cgturn ps`: a turn as any process can see it."""
+
+    task: str
+    turn: str
+    state: str
+    pids: list[int]
+    owner_pid: int | None
+    started_at: float
+    reason: str | None = None
+    cpu_seconds: float = 0.0
+    memory_bytes: int | None = None
+    ports: list[dict] = field(default_factory=list)
+    path: str | None = None
+
+    def to_json(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["started_at"] = iso8601(self.started_at)
+        return data
+
+
+def iso8601(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).isoformat(timespec="milliseconds")

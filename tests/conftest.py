@@ -1,0 +1,171 @@
+"""Shared fixtures: every test that touches cgroups gets its own managed root, removed at teardown.
+
+Safety: a test root is `<cgroup2 mount>/cgturn-test-<random>`; teardown kills what is left inside it
+(never a cgroup holding the test process) and removes it, failures included. Registry-backend tests
+get their own state directory; teardown kills only processes carrying that registry's scope.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from cgturn.kernel import discovery, procfs
+from cgturn.kernel.cgroupfs import Cgroup, KillUnsupported
+
+REQUIRE_CGROUP2 = os.environ.get("CGTURN_REQUIRE_CGROUP2") == "1" or os.environ.get("CI") == "true"
+PY = sys.executable
+
+
+def wait_until(predicate, timeout: float = 5.0, interval: float = 0.005) -> bool:
+    """Poll `predicate` until true or the deadline passes (tests bound every wait this way)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+def alive(pid: int) -> bool:
+    st = procfs.stat(pid)
+    return st is not None and st.state not in ("Z", "X")
+
+
+def _cgroup2_mount() -> str | None:
+    info = discovery.discover(root=None)
+    if info.cgroup2_mount and os.access(info.cgroup2_mount, os.W_OK):
+        return info.cgroup2_mount
+    return None
+
+
+CGROUP2_MOUNT = _cgroup2_mount()
+
+
+def need_cgroup2() -> str:
+    if CGROUP2_MOUNT is None:
+        msg = "cgroup v2 is not mounted writable here"
+        if REQUIRE_CGROUP2:
+            pytest.fail(f"{msg}, and CI/CGTURN_REQUIRE_CGROUP2 demands it")
+        pytest.skip(msg)
+    return CGROUP2_MOUNT
+
+
+def destroy_cgroup_tree(path: str) -> None:
+    """Kill everything under a test root this test created, then remove it. Never touches our own cgroup."""
+    cg = Cgroup(path)
+    if not os.path.isdir(path):
+        return
+    mine = procfs.cgroup_of("self") or ""
+    mine_abs = os.path.normpath(os.path.join(CGROUP2_MOUNT or "/", mine.lstrip("/")))
+    if mine_abs == path or mine_abs.startswith(path + "/"):
+        raise RuntimeError(f"test process is inside {path}; refusing to kill it")
+    for _ in range(5):
+        try:
+            cg.kill()
+        except KillUnsupported:
+            for pid in cg.procs_recursive():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        except FileNotFoundError:
+            return
+        for sub in [cg, *cg.descendants()]:
+            try:
+                sub.set_frozen(False)
+            except OSError:
+                pass
+        cg.wait_unpopulated(5.0)
+        if cg.remove_tree(timeout=2.0):
+            return
+    raise RuntimeError(f"could not remove test cgroup {path}")
+
+
+@pytest.fixture
+def cgroup2_root():
+    """A fresh managed-root path `<mount>/cgturn-test-<random>` (not created), removed at teardown."""
+    mount = need_cgroup2()
+    path = os.path.join(mount, f"cgturn-test-{uuid.uuid4().hex[:10]}")
+    yield path
+    destroy_cgroup_tree(path)
+
+
+@pytest.fixture
+def state_dir(tmp_path):
+    d = tmp_path / "state"
+    d.mkdir()
+    return str(d)
+
+
+def kill_scope(scope: str) -> None:
+    """Kill processes whose environment names this registry scope (registry-backend test teardown)."""
+    me = procfs.protected_pids()
+    for _ in range(3):
+        hit = False
+        for pid in procfs.all_pids():
+            if pid in me:
+                continue
+            env = procfs.environ(pid)
+            if env and env.get("CGTURN_SCOPE") == scope:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    hit = True
+                except ProcessLookupError:
+                    pass
+        if not hit:
+            return
+
+
+@pytest.fixture(params=["cgroup2", "registry"])
+def manager(request, tmp_path):
+    """A TurnManager on each backend, torn down completely (processes and cgroups)."""
+    from cgturn.manager import TurnManager
+
+    state = str(tmp_path / "state")
+    if request.param == "cgroup2":
+        mount = need_cgroup2()
+        root = os.path.join(mount, f"cgturn-test-{uuid.uuid4().hex[:10]}")
+        mgr = TurnManager(root=root, backend="cgroup2", state_dir=state)
+        try:
+            yield mgr
+        finally:
+            mgr.close()
+            destroy_cgroup_tree(root)
+    else:
+        mgr = TurnManager(backend="registry", state_dir=state)
+        try:
+            yield mgr
+        finally:
+            scope = mgr.backend.scope
+            for rec in mgr.backend.records():
+                try:
+                    mgr.end_task(rec.task_id)
+                except Exception:  # noqa: BLE001 - teardown must go on
+                    pass
+            mgr.close()
+            kill_scope(scope)
+
+
+@pytest.fixture
+def bystanders():
+    """Start processes outside any turn (they predate it); all are killed at teardown."""
+    procs: list[subprocess.Popen] = []
+
+    def start(*argv):
+        p = subprocess.Popen(list(argv) or ["sleep", "300"], stdin=subprocess.DEVNULL)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
