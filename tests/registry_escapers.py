@@ -1,0 +1,107 @@
+"""Escaper recipes shared by tests/test_registry.py and tests/registry_scenario.py.
+
+Each recipe is a command that leaves a long-lived process behind that is no longer a descendant of
+the command (double fork, setsid, a daemonizing server). Every leftover carries a unique marker in
+its command line, so a test finds exactly the processes it started and nothing else.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from cgturn.kernel import procfs
+
+DOUBLE_FORK = ("import os, sys\n"
+               "if os.fork(): os._exit(0)\n"
+               "os.setsid()\n"
+               "if os.fork(): os._exit(0)\n"
+               "os.execvp('sleep', ['sleep', sys.argv[1]])\n")
+
+
+@dataclass
+class Escaper:
+    name: str
+    argv: list[str]
+    marker: str          # substring of the leftover processes' command lines
+    leftovers: int = 1   # how many marked processes the recipe leaves running
+    cleanup: list[str] | None = None  # command that undoes it (tmux kill-server)
+
+
+def _duration() -> str:
+    """A unique sleep duration (GNU sleep takes fractions): the marker of one leftover."""
+    return f"300.{secrets.randbelow(10**8):08d}"
+
+
+def recipes(tmpdir: str) -> dict[str, Escaper]:
+    """Every escaper, with fresh markers. `env_cleared` is the one the registry cannot catch."""
+    out = {}
+    d = _duration()
+    out["double_fork_setsid"] = Escaper("double_fork_setsid", [sys.executable, "-c", DOUBLE_FORK, d], d)
+    d = _duration()
+    out["setsid_f"] = Escaper("setsid_f", ["setsid", "-f", "sleep", d], d)
+    d = _duration()
+    out["nohup_disown"] = Escaper("nohup_disown",
+                                  ["bash", "-c", f"nohup sleep {d} >/dev/null 2>&1 & disown; exit 0"], d)
+    sock = f"cgturn-test-{secrets.token_hex(5)}"
+    d = _duration()
+    out["tmux"] = Escaper("tmux", ["tmux", "-L", sock, "-f", "/dev/null", "new-session", "-d", "sleep", d], d,
+                          leftovers=2, cleanup=["tmux", "-L", sock, "kill-server"])
+    agent_sock = os.path.join(tmpdir, f"agent-{secrets.token_hex(5)}.sock")
+    out["ssh_agent"] = Escaper("ssh_agent", ["ssh-agent", "-a", agent_sock], agent_sock)
+    d = _duration()
+    pidfile = os.path.join(tmpdir, f"ssd-{secrets.token_hex(5)}.pid")
+    # --pidfile: without it start-stop-daemon matches *any* running /bin/sleep and refuses to start.
+    out["start_stop_daemon"] = Escaper("start_stop_daemon",
+                                       ["start-stop-daemon", "--start", "--background", "--make-pidfile",
+                                        "--pidfile", pidfile, "--exec", "/bin/sleep", "--", d], d)
+    d = _duration()
+    out["env_cleared"] = Escaper("env_cleared", ["setsid", "-f", "env", "-i", "sleep", d], d)
+    return out
+
+
+def find_marked(marker: str) -> list[int]:
+    """Live pids whose command line contains `marker` (never the caller or its ancestors)."""
+    skip = procfs.protected_pids()
+    out = []
+    for pid in procfs.all_pids():
+        if pid in skip or marker not in procfs.cmdline(pid):
+            continue
+        st = procfs.stat(pid)
+        if st is not None and st.state not in ("Z", "X"):
+            out.append(pid)
+    return sorted(out)
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def launch(turn, esc: Escaper, timeout: float = 10.0) -> list[int]:
+    """Run the recipe in `turn`, wait for the launcher to exit and the leftovers to appear."""
+    proc = turn.spawn(esc.argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc.wait(timeout=timeout)
+    wait_for(lambda: len(find_marked(esc.marker)) >= esc.leftovers, timeout)
+    return find_marked(esc.marker)
+
+
+def destroy(esc: Escaper) -> None:
+    """Kill whatever the recipe left (only processes carrying its unique marker)."""
+    if esc.cleanup:
+        subprocess.run(esc.cleanup, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10)
+    for _ in range(3):
+        pids = find_marked(esc.marker)
+        if not pids:
+            return
+        for pid in pids:
+            procfs.signal_pid(pid, signal.SIGKILL, procfs.start_time(pid))
+        wait_for(lambda: not find_marked(esc.marker), 2.0)

@@ -1,0 +1,48 @@
+"""Protected pids under real SIGKILL: run in a private PID namespace, so "PID 1" is a shell we own.
+
+Run by tests/test_registry.py as `unshare --pid --fork --mount-proc sh -c 'sh -c "python3 THIS ..; true"; true'`
+with CGTURN_SCOPE/TASK/TURN of the turn below in the environment, so PID 1, our parent and this
+process all *look* like members of the turn by their environment, and are also recorded in it.
+The registry must still never signal them. Prints one JSON object.
+
+Usage: registry_protect.py STATE_DIR
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from cgturn.kernel import procfs
+from cgturn.manager import TurnManager
+
+
+def alive(pid: int) -> bool:
+    st = procfs.stat(pid)
+    return st is not None and st.state not in ("Z", "X")
+
+
+def main(state_dir: str) -> int:
+    with TurnManager(backend="registry", state_dir=state_dir) as mgr:
+        turn = mgr.begin_turn("protect", "t1")
+        rec = turn.record
+        victim = turn.spawn(["sleep", "300"], stdin=subprocess.DEVNULL)
+        me, parent = os.getpid(), os.getppid()
+        for pid in (1, parent, me):
+            mgr.backend._record_process(rec, pid, procfs.start_time(pid), ["protected"])
+        out = {"me": me, "parent": parent, "victim": victim.pid,
+               "members": [pid for pid, _ in mgr.backend.members(rec)],
+               "contains_caller": mgr.backend.contains_caller(rec),
+               "signalled": mgr.backend.signal_members(rec, signal.SIGCONT),
+               "killed": mgr.backend.kill_members(rec)}
+        victim.wait(timeout=5)
+        out["victim_status"] = victim.returncode
+        out["alive"] = {str(pid): alive(pid) for pid in (1, parent, me)}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,253 @@
+"""cgroup v2 backend specifics: layout, metadata, race-free spawn, kill paths, safety refusals."""
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+import escapers
+from cgturn.backends.metadata import XATTR_KEY
+from cgturn.errors import UnsafeOperation
+from cgturn.kernel import procfs
+from cgturn.kernel.cgroupfs import Cgroup
+from cgturn.manager import TurnManager
+from conftest import PY, alive, wait_until
+
+
+@pytest.fixture
+def mgr(cgroup2_root, state_dir):
+    m = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir)
+    yield m
+    m.close()
+
+
+def turn_dir(mgr, turn) -> str:
+    rec = turn.record
+    return os.path.join(mgr.backend.root.path, rec.task_key, rec.turn_key)
+
+
+def test_layout_and_metadata_live_on_the_cgroup(mgr):
+    turn = mgr.begin_turn("telegram:123/abc", "turn 1")
+    path = turn_dir(mgr, turn)
+    assert path == os.path.join(mgr.backend.root.path, "telegram:123%2Fabc", "turn%201")
+    meta = json.loads(os.getxattr(path, XATTR_KEY))
+    assert meta["task_id"] == "telegram:123/abc" and meta["turn_id"] == "turn 1"
+    assert meta["state"] == "running" and meta["owner_pid"] == os.getpid()
+    assert meta["owner_start"] == procfs.start_time(os.getpid())
+    turn.complete()
+    assert not os.path.exists(path)  # completed and empty: removed
+
+
+def test_metadata_falls_back_to_the_state_dir_when_xattrs_are_refused(mgr, state_dir):
+    mgr.backend.meta.use_xattrs = False  # the capability flag the backend sets on ENOTSUP/EPERM
+    turn = mgr.begin_turn("no-xattr", "t")
+    path = turn_dir(mgr, turn)
+    with pytest.raises(OSError):
+        os.getxattr(path, XATTR_KEY)
+    stored = os.path.join(state_dir, "meta", "no-xattr", "t.json")
+    assert json.load(open(stored))["state"] == "running"
+    p = turn.spawn(["sleep", "300"])
+    assert turn.abandon("x", grace=0).killed == [p.pid]
+    p.wait(timeout=10)
+    assert not os.path.exists(stored) and not os.path.exists(path)
+
+
+def test_hostile_ids_each_get_their_own_directory(mgr):
+    hostile = ["..", ".", "cgroup.procs", "a/b", "a%2Fb", "x" * 10_000, "x" * 9_999 + "y", "😀 ünï", "~", "-"]
+    turns = [mgr.begin_turn(t, t) for t in hostile]
+    paths = {turn_dir(mgr, t) for t in turns}
+    assert len(paths) == len(hostile)
+    for path in paths:
+        assert os.path.dirname(os.path.dirname(path)) == mgr.backend.root.path
+        assert os.path.isfile(os.path.join(path, "cgroup.procs"))
+    listed = {(i.task, i.turn) for i in mgr.turns()}
+    assert listed == {(t, t) for t in hostile}
+    for t in turns:
+        t.complete()
+    assert os.listdir(mgr.backend.root.path) == [] or all(
+        not os.path.isdir(os.path.join(mgr.backend.root.path, d)) for d in os.listdir(mgr.backend.root.path))
+
+
+def test_process_is_in_the_turn_before_its_first_instruction_even_with_threads(mgr):
+    """`cat /proc/self/cgroup` reads its cgroup as its first act; every copy must see the turn."""
+    turn = mgr.begin_turn("threads")
+    expected = "0::" + turn_dir(mgr, turn)[len(mgr.host.cgroup2_mount):]
+    outputs, errors = [], []
+
+    def worker():
+        try:
+            for _ in range(15):
+                out = turn.spawn(["cat", "/proc/self/cgroup"], stdout=subprocess.PIPE, text=True).communicate()[0]
+                outputs.append(out)
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert len(outputs) == 90
+    for out in outputs:
+        assert expected in out.splitlines()
+    turn.complete()
+
+
+@pytest.mark.parametrize("name", list(escapers.ESCAPERS))
+@pytest.mark.parametrize("use_cgroup_kill", [True, False], ids=["cgroup.kill", "freeze-fallback"])
+def test_abandon_kills_every_escaper(mgr, tmp_path, name, use_cgroup_kill, bystanders):
+    mgr.backend.cgroup_kill_works = use_cgroup_kill
+    before = bystanders("sleep", "300")
+    done_turn = mgr.begin_turn("task", "done")
+    survivor = done_turn.spawn(["sleep", "300"])
+    done_turn.complete()
+    other = mgr.begin_turn("other-task")
+    keeper = other.spawn(["sleep", "300"])
+    turn = mgr.begin_turn("task", "abandoned")
+    try:
+        pid = escapers.ESCAPERS[name](turn, str(tmp_path))
+        assert alive(pid)
+        assert pid in turn.pids()
+        result = turn.abandon("stop", grace=0.5)
+        assert pid in result.killed
+        assert wait_until(lambda: not alive(pid))
+        assert before.poll() is None and survivor.poll() is None and keeper.poll() is None
+    finally:
+        escapers.cleanup(str(tmp_path))
+        mgr.end_task("task")
+        mgr.end_task("other-task")
+
+
+def test_fork_storm_ends_with_zero_survivors(mgr, tmp_path):
+    """A bounded storm (at most ~400 processes, 20 s) killed mid-flight, on both kill paths."""
+    storm = textwrap.dedent("""
+        import os, sys, time
+        deadline = time.monotonic() + 20
+        print("go", flush=True)
+        for _ in range(8):            # 2**8 = 256 leaves at most, plus parents
+            if time.monotonic() > deadline:
+                break
+            try:
+                os.fork()
+            except OSError:
+                pass
+        time.sleep(max(0, deadline - time.monotonic()))
+    """)
+    for use_kill in (True, False):
+        mgr.backend.cgroup_kill_works = use_kill
+        turn = mgr.begin_turn("storm", str(use_kill))
+        p = turn.spawn([PY, "-c", storm], stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "go"
+        wait_until(lambda: len(turn.pids()) >= 64, timeout=10)
+        path = turn_dir(mgr, turn)
+        result = turn.abandon("storm", grace=0)
+        assert len(result.killed) >= 64
+        assert not os.path.exists(path)
+        assert not any(alive(pid) for pid in result.killed)
+        p.wait(timeout=10)
+
+
+def test_payload_that_makes_and_freezes_a_sub_cgroup_still_dies(mgr):
+    turn = mgr.begin_turn("sub")
+    script = textwrap.dedent("""
+        import os, subprocess, sys, time
+        me = open("/proc/self/cgroup").read().split("0::", 1)[1].strip()
+        base = sys.argv[1] + me
+        sub = os.path.join(base, "hide")
+        os.mkdir(sub)
+        child = subprocess.Popen(["sleep", "300"])
+        open(os.path.join(sub, "cgroup.procs"), "w").write(str(child.pid))
+        open(os.path.join(sub, "cgroup.freeze"), "w").write("1")
+        for f in ("cgroup.procs", "cgroup.freeze", "cgroup.kill"):
+            os.chmod(os.path.join(sub, f), 0)
+        print(child.pid, flush=True)
+        time.sleep(300)
+    """)
+    p = turn.spawn([PY, "-c", script, mgr.host.cgroup2_mount], stdout=subprocess.PIPE, text=True)
+    hidden = int(p.stdout.readline())
+    assert hidden in turn.pids()
+    for use_kill in (False,):
+        mgr.backend.cgroup_kill_works = use_kill
+    result = turn.abandon("x", grace=0)
+    assert hidden in result.killed
+    assert wait_until(lambda: not alive(hidden))
+    assert not os.path.exists(turn_dir(mgr, turn))
+
+
+def test_abandon_is_refused_when_the_turn_contains_the_caller(mgr):
+    turn = mgr.begin_turn("me")
+    original = procfs.cgroup_of("self")
+    home = Cgroup(os.path.normpath(os.path.join(mgr.host.cgroup2_mount, original.lstrip("/"))))
+    turn.adopt(os.getpid())  # moving our own test process is the one allowed move
+    try:
+        with pytest.raises(UnsafeOperation):
+            turn.abandon("suicide", grace=0)
+        with pytest.raises(UnsafeOperation):
+            mgr.end_task("me")
+        assert turn.state == "running"
+    finally:
+        home.move_in(os.getpid())
+    turn.abandon("done", grace=0)
+
+
+def test_kills_outside_the_managed_root_are_refused(mgr, tmp_path):
+    turn = mgr.begin_turn("guard")
+    rec = dataclasses.replace(turn.record)
+    for forged in ("..", ".", "a/../.."):  # forged records pointing out of the managed root
+        rec.task_key = forged
+        with pytest.raises(ValueError):
+            mgr.backend.kill_members(rec)
+    for outside in (mgr.host.cgroup2_mount, mgr.backend.root.path, mgr.backend.root.path + "/../x"):
+        with pytest.raises(UnsafeOperation):
+            mgr.backend._guard(Cgroup(outside))
+    link = tmp_path / "link"
+    os.symlink(mgr.host.cgroup2_mount, link)
+    with pytest.raises(UnsafeOperation):
+        mgr.backend._guard(Cgroup(str(link)))
+    turn.complete()
+
+
+def test_adopt_moves_an_existing_process_and_its_future_children(mgr, bystanders):
+    p = bystanders("sh", "-c", "sleep 0.5; sleep 300")
+    turn = mgr.begin_turn("adopt")
+    turn.adopt(p.pid)
+    assert wait_until(lambda: len(turn.pids()) == 2)
+    turn.abandon("x", grace=0)
+    assert p.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_spawn_into_a_turn_abandoned_meanwhile_never_runs_outside(mgr):
+    turn = mgr.begin_turn("late")
+    rec = turn.record
+    turn.abandon("gone", grace=0)
+    with pytest.raises(Exception):
+        mgr.backend.spawn(rec, ["sleep", "300"], {})
+
+
+def test_reap_abandons_turns_of_a_dead_owner_and_keeps_completed_survivors(mgr, cgroup2_root, state_dir):
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {os.getcwd()!r})
+        from cgturn.manager import TurnManager
+        m = TurnManager(root={cgroup2_root!r}, backend="cgroup2", state_dir={state_dir!r})
+        done = m.begin_turn("gw", "done"); s = done.spawn(["sleep", "300"]); done.complete()
+        live = m.begin_turn("gw", "live"); w = live.spawn(["sleep", "300"])
+        print(s.pid, w.pid, flush=True)
+        os._exit(0)
+    """)
+    owner = subprocess.Popen([PY, "-c", code], stdout=subprocess.PIPE, text=True)
+    survivor, worker = map(int, owner.stdout.readline().split())  # its children keep the pipe open
+    owner.wait(timeout=30)
+    states = {i.turn: i.state for i in mgr.turns("gw")}
+    assert states == {"done": "completed", "live": "running"}
+    actions = mgr.reap()
+    assert [a["turn"] for a in actions if a["action"] == "abandoned"] == ["live"]
+    assert wait_until(lambda: not alive(worker))
+    assert alive(survivor)
+    mgr.end_task("gw")

@@ -1,0 +1,221 @@
+"""Turn lifecycle on both backends (the `manager` fixture is parametrised): real processes throughout."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from cgturn.errors import NoSuchTurn, TurnExists
+from conftest import alive, wait_until
+
+PY = sys.executable
+SLEEP = ["sleep", "300"]
+
+
+def test_spawned_process_gets_turn_environment(manager):
+    turn = manager.begin_turn("task:env", "turn/1")
+    out = turn.spawn([PY, "-c", "import os; print(os.environ['CGTURN_TASK'], os.environ['CGTURN_TURN'])"],
+                     stdout=subprocess.PIPE, text=True).communicate(timeout=10)[0]
+    assert out.split() == ["task:env", "turn%2F1"]
+    turn.complete()
+
+
+def test_abandon_kills_everything_and_is_idempotent(manager):
+    turn = manager.begin_turn("t")
+    procs = [turn.spawn(SLEEP) for _ in range(3)]
+    shell = turn.spawn(["sh", "-c", "sleep 300 & sleep 300 & wait"])
+    assert wait_until(lambda: len(turn.pids()) >= 6)
+    pids = turn.pids()
+    result = turn.abandon("test", grace=1.0)
+    assert not result.skipped and result.reason == "test"
+    assert set(pids) <= set(result.killed)
+    for p in procs + [shell]:
+        assert p.wait(timeout=10) is not None
+    assert wait_until(lambda: not any(alive(pid) for pid in pids))
+    again = turn.abandon("again")
+    assert again.skipped and again.killed == []
+    assert turn.state == "abandoned"
+    assert manager.turns("t") == []
+
+
+def test_predating_and_other_tasks_processes_survive(manager, bystanders):
+    before = bystanders(*SLEEP)
+    mine = manager.begin_turn("mine")
+    other = manager.begin_turn("other")
+    victim = mine.spawn(SLEEP)
+    keeper = other.spawn(SLEEP)
+    mine.abandon("stop", grace=0)
+    assert victim.wait(timeout=10) == -signal.SIGKILL
+    assert before.poll() is None and keeper.poll() is None
+    other.abandon("cleanup", grace=0)
+    keeper.wait(timeout=10)
+
+
+def test_completed_turn_survivors_live_until_forced(manager):
+    turn = manager.begin_turn("dev", "serve")
+    server = turn.spawn(SLEEP)
+    assert turn.complete() is True
+    assert turn.complete() is False
+    skipped = turn.abandon("stop after completion")
+    assert skipped.skipped and skipped.killed == []
+    assert server.poll() is None
+    info = manager.turns("dev")
+    assert [(i.turn, i.state, i.pids) for i in info] == [("serve", "completed", [server.pid])]
+    forced = turn.abandon("forced", grace=0, force=True)
+    assert server.pid in forced.killed
+    assert server.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_first_transition_wins(manager):
+    turn = manager.begin_turn("race")
+    turn.abandon("first", grace=0)
+    assert turn.complete() is False
+    assert turn.state == "abandoned"
+    other = manager.begin_turn("race2")
+    assert other.complete() is True
+    assert other.abandon("late").skipped
+
+
+def test_sigterm_first_then_sigkill_after_grace(manager, tmp_path):
+    turn = manager.begin_turn("grace")
+    marker = tmp_path / "term"
+    stubborn = turn.spawn([PY, "-c", textwrap.dedent(f"""
+        import signal, time
+        def on_term(*_):
+            open({str(marker)!r}, "w").close()
+        signal.signal(signal.SIGTERM, on_term)
+        print("ready", flush=True)
+        time.sleep(300)
+    """)], stdout=subprocess.PIPE, text=True)
+    assert stubborn.stdout.readline().strip() == "ready"
+    result = turn.abandon("timeout", grace=0.3)
+    assert result.signals == ["SIGTERM", "SIGKILL"]
+    assert marker.exists()
+    assert stubborn.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_grace_zero_sends_no_sigterm(manager, tmp_path):
+    turn = manager.begin_turn("nograce")
+    marker = tmp_path / "term"
+    p = turn.spawn(["sh", "-c", f"trap 'touch {marker}' TERM; echo ready; while :; do sleep 1; done"],
+                   stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    result = turn.abandon("now", grace=0)
+    assert result.signals == ["SIGKILL"]
+    p.wait(timeout=10)
+    assert not marker.exists()
+
+
+def test_turn_ids_are_unique_while_the_turn_exists(manager):
+    turn = manager.begin_turn("dup", "x")
+    with pytest.raises(TurnExists):
+        manager.begin_turn("dup", "x")
+    survivor = turn.spawn(SLEEP)
+    turn.complete()
+    with pytest.raises(TurnExists):
+        manager.begin_turn("dup", "x")  # completed, but with a survivor
+    survivor.kill()
+    survivor.wait()
+    assert wait_until(lambda: not turn.pids())
+    again = manager.begin_turn("dup", "x")  # completed and empty: the id is free again
+    assert again.state == "running"
+    again.complete()
+
+
+@pytest.mark.parametrize("task, turn", [("", "x"), ("  ", "x"), ("t", "\t"), ("t\x00", "x"), ("t", "\ud800")])
+def test_invalid_ids_touch_nothing(manager, task, turn):
+    with pytest.raises(ValueError):
+        manager.begin_turn(task, turn)
+    assert manager.turns() == []
+
+
+def test_spawn_reports_missing_and_non_executable_programs_like_popen(manager, tmp_path):
+    turn = manager.begin_turn("errors")
+    with pytest.raises(FileNotFoundError):
+        turn.spawn(["cgturn-no-such-program-xyz"])
+    script = tmp_path / "noexec.sh"
+    script.write_text("#!/bin/sh\n")
+    with pytest.raises(PermissionError):
+        turn.spawn([str(script)])
+    assert turn.pids() == []
+    turn.complete()
+
+
+def test_spawn_after_the_turn_ended_is_refused(manager):
+    turn = manager.begin_turn("ended")
+    turn.complete()
+    with pytest.raises(NoSuchTurn):
+        turn.spawn(SLEEP)
+
+
+def test_end_task_kills_survivors_and_removes_every_turn(manager, bystanders):
+    outside = bystanders(*SLEEP)
+    done = manager.begin_turn("job", "a")
+    survivor = done.spawn(SLEEP)
+    done.complete()
+    running = manager.begin_turn("job", "b")
+    worker = running.spawn(SLEEP)
+    keeper_turn = manager.begin_turn("other-job")
+    keeper = keeper_turn.spawn(SLEEP)
+    result = manager.end_task("job")
+    assert {survivor.pid, worker.pid} <= set(result.killed)
+    survivor.wait(timeout=10)
+    worker.wait(timeout=10)
+    assert manager.turns("job") == []
+    assert outside.poll() is None and keeper.poll() is None
+    keeper_turn.abandon("cleanup", grace=0)
+    keeper.wait(timeout=10)
+
+
+def test_blank_task_matches_nothing(manager):
+    turn = manager.begin_turn("real")
+    p = turn.spawn(SLEEP)
+    assert manager.snapshot_running_ids("") == frozenset()
+    assert manager.snapshot_running_ids("   ") == frozenset()
+    assert manager.kill_started_since(frozenset(), "") == 0
+    assert manager.kill_started_since(frozenset(), " \n") == 0
+    assert manager.end_task("").killed == []
+    assert manager.turns("") == []
+    assert p.poll() is None
+    turn.abandon("cleanup", grace=0)
+    p.wait(timeout=10)
+
+
+def test_kill_started_since_kills_only_what_is_new_in_that_task(manager):
+    old_turn = manager.begin_turn("chat", "1")
+    old = old_turn.spawn(SLEEP)
+    old_turn.complete()
+    elsewhere_turn = manager.begin_turn("other-chat")
+    elsewhere = elsewhere_turn.spawn(SLEEP)
+    assert wait_until(lambda: manager.snapshot_running_ids("chat"))
+    baseline = manager.snapshot_running_ids("chat")
+    assert len(baseline) == 1
+    new_turn = manager.begin_turn("chat", "2")
+    new = [new_turn.spawn(SLEEP) for _ in range(2)]
+    assert wait_until(lambda: len(manager.snapshot_running_ids("chat")) == 3)
+    assert manager.kill_started_since(baseline, "chat") == 2
+    for p in new:
+        assert p.wait(timeout=10) == -signal.SIGKILL
+    assert old.poll() is None and elsewhere.poll() is None
+    manager.end_task("chat")
+    manager.end_task("other-chat")
+    old.wait(timeout=10)
+    elsewhere.wait(timeout=10)
+
+
+def test_abandoned_turn_does_not_slip_into_a_later_baseline(manager):
+    """A turn marked abandoned whose kill never ran: its processes are not protected by a baseline."""
+    stale = manager.begin_turn("session", "old")
+    leaked = stale.spawn(SLEEP)
+    assert wait_until(lambda: stale.pids())
+    # Mark it abandoned without killing (the reaper that should have run was skipped).
+    won, _ = manager.backend.transition(stale.record.task_key, stale.record.turn_key, {"running"},
+                                        "abandoned", {"reason": "skipped-reap"})
+    assert won
+    baseline = manager.snapshot_running_ids("session")
+    assert baseline == frozenset()
+    assert manager.kill_started_since(baseline | {f"{stale.record.turn_key}/{leaked.pid}:0"}, "session") >= 1
+    assert leaked.wait(timeout=10) == -signal.SIGKILL
+    manager.end_task("session")
