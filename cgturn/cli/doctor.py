@@ -1,6 +1,8 @@
 """`cgturn doctor`: what the host offers and which backend cgturn would use, with reasons."""
 from __future__ import annotations
 
+import os
+
 from ..kernel import discovery
 from . import common
 
@@ -13,7 +15,6 @@ def register(sub) -> None:
 
 def report(args) -> dict:
     """The doctor report as a dict (the documented JSON shape)."""
-    import os
     info = discovery.discover(args.root)
     wanted = args.backend or os.environ.get("CGTURN_BACKEND") or "auto"
     backend = "cgroup2" if info.usable and wanted != "registry" else "registry"

@@ -10,7 +10,7 @@ import os
 import select
 import time
 
-from ..errors import KernelError, translate
+from ..errors import translate
 from . import parsers
 
 PROCS_FILE = "cgroup.procs"
