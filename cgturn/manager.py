@@ -14,9 +14,9 @@ import subprocess
 import time
 from typing import Iterable
 
-from . import audit, ids
+from . import audit, ids, observe
 from .backends.base import Backend
-from .errors import CgroupUnavailable, NoSuchTurn, UnsafeOperation
+from .errors import CgroupUnavailable, CgturnError, NoSuchTurn, UnsafeOperation
 from .kernel import discovery, procfs
 from .model import ABANDONED, COMPLETED, RUNNING, AbandonResult, TurnInfo, TurnRecord
 
@@ -120,15 +120,37 @@ class TurnManager:
             return []
         task_key = None if task_id is None else ids.encode(task_id)
         out = []
+        sockets = None  # one sock_diag dump per call, taken on first need
         for rec in self.backend.records(task_key):
             pids = sorted(pid for pid, _ in self.backend.members(rec))
             cpu, mem = self.backend.usage(rec, pids)
+            if mem is None:  # no memory controller on the turn: summed RSS is the next best answer
+                mem = observe.rss_bytes(pids)
+            ports, sockets = self._ports(rec, pids, sockets)
             out.append(TurnInfo(task=rec.task_id, turn=rec.turn_id, state=rec.state, pids=pids,
                                 owner_pid=rec.owner_pid, started_at=rec.started_at, reason=rec.reason,
-                                cpu_seconds=cpu, memory_bytes=mem,
+                                cpu_seconds=cpu, memory_bytes=mem, ports=ports,
                                 path=self.backend.location))
         out.sort(key=lambda info: (info.started_at, info.task, info.turn))
         return out
+
+    def _ports(self, rec: TurnRecord, pids: list[int], sockets):
+        """(listening ports of the turn, the sock_diag dump to reuse; False once it proved unusable)."""
+        cgroup_dir = self._cgroup_dir(rec)
+        if cgroup_dir is None or sockets is False:
+            return observe.ports_of_pids(pids), sockets
+        if sockets is None:
+            try:
+                sockets = observe.listening_sockets()
+            except observe.DiagUnavailable as err:
+                log.info("ports via psutil: %s", err)
+                return observe.ports_of_pids(pids), False
+        return observe.ports_in_cgroups(sockets, observe.cgroup_ids(cgroup_dir)), sockets
+
+    def _cgroup_dir(self, rec: TurnRecord) -> str | None:
+        """The turn's cgroup directory on the cgroup2 backend; None on the registry."""
+        turn_cgroup = getattr(self.backend, "turn_cgroup", None)
+        return turn_cgroup(rec.task_key, rec.turn_key).path if turn_cgroup else None
 
     def end_task(self, task_id: str, reason: str = "end-task") -> AbandonResult:
         """Kill everything the task owns, completed turns' survivors included, and remove its turns.
@@ -189,21 +211,31 @@ class TurnManager:
         remove completed turns with nothing left. Returns one dict per action taken."""
         actions = []
         for rec in self.backend.records():
-            if rec.state == RUNNING and not self.owner_alive(rec):
-                result = self._abandon(rec.task_key, rec.turn_key, "owner-died", grace=0.0, force=False)
-                if not result.skipped:
-                    actions.append({"action": "abandoned", "task": rec.task_id, "turn": rec.turn_id,
-                                    "reason": "owner-died", "killed": result.killed})
-            elif rec.state == ABANDONED and not procfs.is_alive(rec.killer_pid or 0, rec.killer_start or -1):
-                # The process that was killing this turn died before it finished: finish for it.
-                result = self._kill(rec, rec.reason or "abandoned", grace=0.0)
-                actions.append({"action": "finished-kill", "task": rec.task_id, "turn": rec.turn_id,
-                                "reason": rec.reason, "killed": result.killed})
-            elif rec.state == COMPLETED and not self.backend.members(rec):
-                if self.backend.remove(rec):
-                    actions.append({"action": "removed", "task": rec.task_id, "turn": rec.turn_id})
-            if not self.backend.records(rec.task_key):
-                self.backend.remove_task(rec.task_key)
+            try:
+                actions.extend(self._reap_one(rec))
+            except CgturnError as err:
+                # One turn that cannot be handled (e.g. it holds the caller) must not stop the rest.
+                actions.append({"action": "error", "task": rec.task_id, "turn": rec.turn_id, "error": str(err)})
+        return actions
+
+    def _reap_one(self, rec: TurnRecord) -> list[dict]:
+        """The reap policy for one turn; returns the actions taken."""
+        actions = []
+        if rec.state == RUNNING and not self.owner_alive(rec):
+            result = self._abandon(rec.task_key, rec.turn_key, "owner-died", grace=0.0, force=False)
+            if not result.skipped:
+                actions.append({"action": "abandoned", "task": rec.task_id, "turn": rec.turn_id,
+                                "reason": "owner-died", "killed": result.killed})
+        elif rec.state == ABANDONED and not procfs.is_alive(rec.killer_pid or 0, rec.killer_start or -1):
+            # The process that was killing this turn died before it finished: finish for it.
+            result = self._kill(rec, rec.reason or "abandoned", grace=0.0)
+            actions.append({"action": "finished-kill", "task": rec.task_id, "turn": rec.turn_id,
+                            "reason": rec.reason, "killed": result.killed})
+        elif rec.state == COMPLETED and not self.backend.members(rec):
+            if self.backend.remove(rec):
+                actions.append({"action": "removed", "task": rec.task_id, "turn": rec.turn_id})
+        if not self.backend.records(rec.task_key):
+            self.backend.remove_task(rec.task_key)
         return actions
 
     def owner_alive(self, rec: TurnRecord) -> bool:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import sys
 
-from . import common, doctor, run
+from . import common, doctor, end, metrics, ps, reap, run, stop, watch
 
-COMMANDS = [doctor, run]
+COMMANDS = [doctor, run, ps, stop, end, reap, watch, metrics]
 
 
 def build_parser() -> common.Parser:

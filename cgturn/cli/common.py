@@ -45,6 +45,30 @@ def add_json_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
+def id_arg(what: str):
+    """An argparse `type` for a task or turn id: blank, NUL or non-UTF-8 ids are usage errors (exit 2)."""
+    from .. import ids
+
+    def parse(text: str) -> str:
+        try:
+            return ids.validate(text, what)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    parse.__name__ = f"{what} id"
+    return parse
+
+
+def non_negative_seconds(text: str) -> float:
+    """An argparse `type` for a duration in seconds: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0: {text!r}")
+    return value
+
+
 def make_manager(args, recover: bool = False):
     from ..manager import TurnManager
     return TurnManager(root=args.root, backend=args.backend, state_dir=args.state_dir, recover=recover)

@@ -1,0 +1,87 @@
+"""`cgturn ps [--task T] [--json]`: one row per turn — state, processes, age, cpu, memory, ports, owner.
+
+Read-only: it never recovers, kills or moves anything.
+"""
+from __future__ import annotations
+
+import time
+
+from . import common
+
+
+def register(sub) -> None:
+    p = sub.add_parser("ps", help="list turns with their processes, usage and listening ports")
+    p.add_argument("--task", type=common.id_arg("task"), help="only the turns of this task")
+    common.add_json_option(p)
+    p.set_defaults(handler=run)
+
+
+def snapshot(args) -> list[dict]:
+    """The turns as the documented JSON objects (TurnInfo fields plus `age_seconds`)."""
+    manager = common.make_manager(args)
+    try:
+        infos = manager.turns(args.task)
+    finally:
+        manager.close()
+    now = time.time()
+    rows = []
+    for info in infos:
+        row = info.to_json()
+        row["age_seconds"] = round(max(0.0, now - info.started_at), 3)
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """The human-readable table of `rows` (what `ps` and `watch` print)."""
+    header = ("TASK", "TURN", "STATE", "PIDS", "AGE", "CPU", "MEM", "PORTS", "OWNER")
+    lines = [header]
+    for row in rows:
+        lines.append((row["task"], row["turn"], row["state"], _pids(row["pids"]), _age(row["age_seconds"]),
+                      f"{row['cpu_seconds']:.2f}s", _bytes(row["memory_bytes"]), _ports(row["ports"]),
+                      str(row["owner_pid"] or "-")))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(str(cell).ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def _pids(pids: list[int]) -> str:
+    shown = ",".join(map(str, pids[:5]))
+    return (shown + f",+{len(pids) - 5}") if len(pids) > 5 else (shown or "-")
+
+
+def _age(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _bytes(value: int | None) -> str:
+    if value is None:
+        return "-"
+    for unit in ("B", "K", "M", "G"):
+        if value < 1024 or unit == "G":
+            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return "-"  # pragma: no cover - the loop always returns
+
+
+def _ports(ports: list[dict]) -> str:
+    return ",".join(f"{p['proto']}/{_host(p['address'])}:{p['port']}" for p in ports) or "-"
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+def run(args) -> int:
+    rows = snapshot(args)
+    if args.json:
+        common.print_json(rows)
+    elif rows:
+        print(format_table(rows))
+    else:
+        print("no turns")
+    return common.EXIT_OK

@@ -1,0 +1,40 @@
+"""`cgturn reap [--json]`: crash recovery, safe beside a live gateway and from ExecStartPre=/a timer.
+
+Abandons running turns whose owner (pid + start time) is gone, finishes kills whose killer died,
+removes completed turns with nothing left. Turns whose owner lives are never touched.
+Exit 0; 1 when a turn could not be handled (listed as an `error` action).
+"""
+from __future__ import annotations
+
+from . import common
+
+
+def register(sub) -> None:
+    p = sub.add_parser("reap", help="recover after a crash: abandon turns whose owner died, remove empty ones")
+    common.add_json_option(p)
+    p.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    manager = common.make_manager(args)
+    try:
+        actions = manager.reap()
+    finally:
+        manager.close()
+    if args.json:
+        common.print_json(actions)
+    else:
+        for act in actions:
+            print(_describe(act))
+        if not actions:
+            print("nothing to reap")
+    return common.EXIT_FAILED if any(a["action"] == "error" for a in actions) else common.EXIT_OK
+
+
+def _describe(act: dict) -> str:
+    where = f"turn {act['turn']!r} of task {act['task']!r}"
+    if act["action"] == "error":
+        return f"error: {where}: {act['error']}"
+    killed = act.get("killed")
+    tail = f": killed {len(killed)} process(es) {' '.join(map(str, killed))}".rstrip() if killed is not None else ""
+    return f"{act['action']} {where}{tail}"

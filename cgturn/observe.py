@@ -1,0 +1,126 @@
+"""Per-turn observation the kernel can answer without policy: listening ports and resident memory.
+
+Ports come from sock_diag (pyroute2 `DiagSocket`, one netlink dump per protocol and family, 2-3 ms):
+every reply carries INET_DIAG_CGROUP_ID, the inode number of the cgroup directory the socket was
+created in (cgroup v2 ids are kernfs inode numbers, so `os.stat(dir).st_ino` matches). That maps
+sockets to turns without scanning /proc. Where sock_diag is unusable, or a turn has no cgroup (the
+registry backend), psutil scans the turn's pids instead.
+
+Knows nothing of tasks or turns: callers hand in cgroup directories or pids.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+log = logging.getLogger("cgturn")
+
+TCP_LISTEN = 10          # include/net/tcp_states.h
+TCP_CLOSE = 7            # an unconnected (bound) UDP socket reports this state
+ALL_STATES = 0xFFF
+ATTR_CGROUP_ID = "INET_DIAG_CGROUP_ID"   # 5.7+ (cgroup v2 sockets)
+PROTOCOLS = (("tcp", socket.IPPROTO_TCP, 1 << TCP_LISTEN), ("udp", socket.IPPROTO_UDP, 1 << TCP_CLOSE))
+FAMILIES = (socket.AF_INET, socket.AF_INET6)
+
+
+@dataclass(frozen=True)
+class ListeningSocket:
+    """One listening TCP socket or bound, unconnected UDP socket, as sock_diag reports it."""
+
+    proto: str
+    address: str
+    port: int
+    cgroup_id: int | None
+
+    def to_json(self) -> dict:
+        return {"proto": self.proto, "address": self.address, "port": self.port}
+
+
+class DiagUnavailable(Exception):
+    """sock_diag cannot be used here (pyroute2 missing, netlink refused); use the psutil path."""
+
+
+def listening_sockets() -> list[ListeningSocket]:
+    """Every listening socket of this network namespace, with the id of the cgroup it was made in.
+
+    Raises:
+        DiagUnavailable: pyroute2 is missing or the kernel refused the sock_diag dump.
+    """
+    try:
+        from pyroute2 import DiagSocket
+    except ImportError as err:
+        raise DiagUnavailable(f"pyroute2 is not installed: {err}") from err
+    out = []
+    try:
+        with DiagSocket() as diag:
+            diag.bind()
+            for family in FAMILIES:
+                for proto, number, states in PROTOCOLS:
+                    for reply in diag.get_sock_stats(family=family, protocol=number, states=states):
+                        out.append(_from_reply(proto, reply))
+    except OSError as err:
+        raise DiagUnavailable(f"sock_diag refused: {err}") from err
+    return out
+
+
+def _from_reply(proto: str, reply) -> ListeningSocket:
+    cgroup_id = None
+    for name, value in reply.get("attrs", []):
+        if name == ATTR_CGROUP_ID:
+            cgroup_id = int(value)
+    return ListeningSocket(proto, str(reply["idiag_src"]), int(reply["idiag_sport"]), cgroup_id)
+
+
+def cgroup_ids(path: str) -> set[int]:
+    """Ids (inode numbers) of the cgroup at `path` and of every cgroup below it; empty when gone."""
+    ids = set()
+    for dirpath, _dirs, _files in os.walk(path):
+        try:
+            ids.add(os.stat(dirpath).st_ino)
+        except FileNotFoundError:
+            continue
+    return ids
+
+
+def ports_in_cgroups(sockets: list[ListeningSocket], ids: set[int]) -> list[dict]:
+    """The sockets created in one of the cgroups `ids`, as sorted, de-duplicated port objects."""
+    return _unique(s for s in sockets if s.cgroup_id in ids)
+
+
+def ports_of_pids(pids: list[int]) -> list[dict]:
+    """Listening sockets held by `pids` (psutil walks each process's fds; others' need root)."""
+    import psutil
+
+    found = []
+    for pid in pids:
+        try:
+            conns = psutil.Process(pid).net_connections(kind="inet")
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        for conn in conns:
+            proto = "tcp" if conn.type == socket.SOCK_STREAM else "udp"
+            listening = conn.status == psutil.CONN_LISTEN if proto == "tcp" else not conn.raddr
+            if listening and conn.laddr:
+                found.append(ListeningSocket(proto, conn.laddr.ip, conn.laddr.port, None))
+    return _unique(found)
+
+
+def _unique(sockets) -> list[dict]:
+    keys = sorted({(s.proto, s.address, s.port) for s in sockets})
+    return [{"proto": proto, "address": address, "port": port} for proto, address, port in keys]
+
+
+def rss_bytes(pids: list[int]) -> int | None:
+    """Summed resident set size of `pids` (counts shared pages once per process); None if none readable."""
+    import psutil
+
+    total, seen = 0, False
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_info().rss
+            seen = True
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return total if seen else (0 if not pids else None)

@@ -1,0 +1,217 @@
+"""The operator commands through the real CLI in a subprocess: ps, stop, end, reap, watch; bad input."""
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from cgturn.cli import main
+from conftest import PY, alive, wait_until
+
+# Keeps the turn's command running and prints the pid of a daemon it left in the background.
+DAEMON_AND_WAIT = "setsid sleep 300 >/dev/null 2>&1 & echo $!; exec sleep 300"
+
+
+def cli(root, state_dir, *args, env=None):
+    """Run `python -m cgturn` as a real subprocess."""
+    return subprocess.run([PY, "-m", "cgturn", "--root", root, "--state-dir", state_dir, *args],
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
+@pytest.fixture
+def runs(cgroup2_root, state_dir):
+    """Start `cgturn run` processes (they sit outside the test root); all are killed at teardown."""
+    started = []
+
+    def start(task, turn, script=DAEMON_AND_WAIT, env=None):
+        p = subprocess.Popen([PY, "-m", "cgturn", "--root", cgroup2_root, "--state-dir", state_dir, "run",
+                              "--task", task, "--turn", turn, "--", "sh", "-c", script],
+                             stdout=subprocess.PIPE, text=True, env=env)
+        started.append(p)
+        return p, int(p.stdout.readline())
+
+    yield start
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def completed_turn(root, state_dir, task, turn):
+    """A turn that completed and left a daemon running; returns the daemon's pid."""
+    out = cli(root, state_dir, "run", "--task", task, "--turn", turn, "--", "sh", "-c",
+              "setsid sleep 300 >/dev/null 2>&1 & echo $!")
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.split()[-1])
+
+
+def ps(root, state_dir, *args):
+    out = cli(root, state_dir, "ps", "--json", *args)
+    assert out.returncode == 0, out.stderr
+    return {(row["task"], row["turn"]): row for row in json.loads(out.stdout)}
+
+
+def audit_reasons(state_dir):
+    with open(os.path.join(state_dir, "audit.jsonl")) as f:
+        return [json.loads(line)["reason"] for line in f]
+
+
+def test_ps_shows_every_field_and_filters_by_task(cgroup2_root, state_dir, runs):
+    proc, daemon = runs("chat/1", "t-1")
+    survivor = completed_turn(cgroup2_root, state_dir, "ci", "job")
+    rows = ps(cgroup2_root, state_dir)
+    running, completed = rows[("chat/1", "t-1")], rows[("ci", "job")]
+    assert running["state"] == "running" and daemon in running["pids"] and len(running["pids"]) >= 2
+    assert running["owner_pid"] == proc.pid
+    assert completed["state"] == "completed" and completed["pids"] == [survivor]
+    for row in rows.values():
+        assert isinstance(row["cpu_seconds"], float) and isinstance(row["memory_bytes"], int)
+        assert row["ports"] == [] and row["age_seconds"] >= 0
+        assert row["started_at"].endswith("+00:00")
+    assert set(ps(cgroup2_root, state_dir, "--task", "ci")) == {("ci", "job")}
+    table = cli(cgroup2_root, state_dir, "ps")
+    assert table.returncode == 0 and "chat/1" in table.stdout and "completed" in table.stdout
+
+
+def test_stop_abandons_a_running_turn_then_says_no_such_turn(cgroup2_root, state_dir, runs):
+    proc, daemon = runs("chat", "t-1")
+    out = cli(cgroup2_root, state_dir, "stop", "chat", "t-1", "--grace", "0.2", "--reason", "operator", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["skipped"] is False and daemon in data["killed"] and data["reason"] == "operator"
+    assert wait_until(lambda: not alive(daemon))
+    assert "operator" in audit_reasons(state_dir)
+    assert proc.wait(timeout=30) is not None  # its command died with the turn; cgturn run exits
+    again = cli(cgroup2_root, state_dir, "stop", "chat", "t-1")
+    assert again.returncode == 1 and again.stderr.count("\n") == 1 and "no turn" in again.stderr
+
+
+def test_stop_leaves_a_completed_turns_survivors_unless_forced(cgroup2_root, state_dir):
+    survivor = completed_turn(cgroup2_root, state_dir, "ci", "job")
+    out = cli(cgroup2_root, state_dir, "stop", "ci", "job", "--json")
+    assert out.returncode == 0 and json.loads(out.stdout)["skipped"] is True
+    assert alive(survivor)
+    forced = cli(cgroup2_root, state_dir, "stop", "ci", "job", "--force", "--grace", "0")
+    assert forced.returncode == 0 and str(survivor) in forced.stdout
+    assert wait_until(lambda: not alive(survivor))
+
+
+def test_end_kills_everything_the_task_owns(cgroup2_root, state_dir, runs):
+    _, daemon = runs("chat", "t-2")
+    survivor = completed_turn(cgroup2_root, state_dir, "chat", "t-1")
+    other = completed_turn(cgroup2_root, state_dir, "other", "t-1")
+    out = cli(cgroup2_root, state_dir, "end", "chat", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert {daemon, survivor} <= set(data["killed"]) and data["turns_left"] == []
+    assert wait_until(lambda: not alive(daemon) and not alive(survivor))
+    assert alive(other)  # another task's survivor is not touched
+    assert not os.path.exists(os.path.join(cgroup2_root, "chat"))
+    again = cli(cgroup2_root, state_dir, "end", "chat", "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["killed"] == []
+
+
+def test_reap_after_the_owner_was_sigkilled(cgroup2_root, state_dir, runs):
+    """`cgturn run` dies mid-turn with no sentinel: reap abandons its turn, a live owner's is untouched."""
+    env = {**os.environ, "CGTURN_SENTINEL": "0"}
+    crashed, orphan = runs("gw", "crashed", env=env)
+    live, live_daemon = runs("gw", "live", env=env)
+    survivor = completed_turn(cgroup2_root, state_dir, "ci", "done")
+    os.kill(crashed.pid, signal.SIGKILL)
+    crashed.wait()
+    assert alive(orphan)  # nobody else cleaned up: it is reap's work
+    out = cli(cgroup2_root, state_dir, "reap", "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    actions = json.loads(out.stdout)
+    assert [(a["action"], a["turn"]) for a in actions] == [("abandoned", "crashed")]
+    assert orphan in actions[0]["killed"] and actions[0]["reason"] == "owner-died"
+    assert wait_until(lambda: not alive(orphan))
+    assert not os.path.exists(os.path.join(cgroup2_root, "gw", "crashed"))
+    assert "owner-died" in audit_reasons(state_dir)
+    # beside a live gateway: its running turn and a completed turn's survivor are left alone
+    rows = ps(cgroup2_root, state_dir)
+    assert rows[("gw", "live")]["state"] == "running" and alive(live_daemon) and live.poll() is None
+    assert rows[("ci", "done")]["pids"] == [survivor]
+    second = cli(cgroup2_root, state_dir, "reap", "--json")
+    assert second.returncode == 0 and json.loads(second.stdout) == []
+
+
+def test_reap_removes_a_completed_turn_with_nothing_left(cgroup2_root, state_dir):
+    out = cli(cgroup2_root, state_dir, "run", "--task", "ci", "--turn", "x", "--", "sh", "-c",
+              "sleep 300 >/dev/null 2>&1 & echo $!")
+    survivor = int(out.stdout.split()[-1])
+    os.kill(survivor, signal.SIGKILL)
+    assert wait_until(lambda: not alive(survivor))
+    assert wait_until(lambda: cli(cgroup2_root, state_dir, "ps", "--json").stdout.count('"pids": []') == 1)
+    reaped = cli(cgroup2_root, state_dir, "reap")
+    assert reaped.returncode == 0 and "removed" in reaped.stdout
+    assert ps(cgroup2_root, state_dir) == {}
+
+
+def test_recover_true_treats_a_reused_owner_pid_as_dead(cgroup2_root, state_dir):
+    """The owner pid is alive (it is us) but its start time differs: a reused pid, not the owner."""
+    from cgturn.manager import TurnManager
+    from cgturn.model import RUNNING
+
+    with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir) as mgr:
+        turn = mgr.begin_turn("gw", "old")
+        child = turn.spawn(["sleep", "300"])
+        rec = turn.record
+        won, _ = mgr.backend.transition(rec.task_key, rec.turn_key, {RUNNING}, RUNNING,
+                                        {"owner_start": rec.owner_start - 1})
+        assert won
+    with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, recover=True) as mgr:
+        assert mgr.turns() == []
+    assert child.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_watch_once_prints_one_frame(cgroup2_root, state_dir, runs):
+    runs("chat", "t-1")
+    out = cli(cgroup2_root, state_dir, "watch", "--once")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("cgturn watch") and "1 running" in out.stdout and "t-1" in out.stdout
+    assert "\x1b" not in out.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ["ps", "--task", ""],
+    ["ps", "--task", "  "],
+    ["ps", "--bogus"],
+    ["stop"],
+    ["stop", "chat"],
+    ["stop", "", "t"],
+    ["stop", "chat", " "],
+    ["stop", "chat", "t", "--grace", "-1"],
+    ["stop", "chat", "t", "--grace", "inf"],
+    ["stop", "chat", "t", "--reason", " "],
+    ["end"],
+    ["end", ""],
+    ["end", "a", "b"],
+    ["reap", "extra"],
+    ["watch", "--interval", "0"],
+    ["watch", "--interval", "x"],
+    ["watch", "--task", ""],
+    ["metrics"],
+    ["metrics", "--listen", "9464"],
+    ["metrics", "--listen", "127.0.0.1:99999"],
+    ["metrics", "--listen", "::1:9464"],
+    ["metrics", "--listen", ":9464"],
+    ["metrics", "--listen", "127.0.0.1:1", "--once"],
+    ["--backend", "bogus", "ps"],
+])
+def test_bad_input_exits_2_with_one_line_and_touches_nothing(cgroup2_root, state_dir, args, capsys):
+    code = main(["--root", cgroup2_root, "--state-dir", state_dir, *args])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.err.count("\n") == 1 and captured.err.startswith("cgturn: ")
+    assert captured.out == ""
+    assert not os.path.exists(cgroup2_root)
+
+
+def test_bad_input_leaves_an_existing_turn_alone(cgroup2_root, state_dir, runs):
+    _, daemon = runs("chat", "t-1")
+    for args in (["stop", "chat", "t-1", "--grace", "-1"], ["end", " "], ["stop", "chat", "t-1", "x"]):
+        out = cli(cgroup2_root, state_dir, *args)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, (args, out.stderr)
+    assert alive(daemon) and ps(cgroup2_root, state_dir)[("chat", "t-1")]["state"] == "running"
