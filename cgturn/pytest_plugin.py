@@ -1,0 +1,335 @@
+"""pytest plugin: every test runs in its own turn; what a test leaves running is reported and killed.
+
+Inert unless `--cgturn` (or ini `cgturn = true`): without it this module only adds its options.
+
+cgroup v2: the pytest process moves into the test's turn for the test's duration, so everything the
+test (and its function-scoped fixtures) starts lands there, daemons included; at teardown it moves
+back to the cgroup it came from (the one move outside the managed root). A fixture of wider scope
+(class, module, package, session) is set up with pytest inside a turn of its own, checked when that
+scope ends. The managed root is `<own cgroup or CGTURN_ROOT>/cgturn-pytest-<random>[-<xdist worker>]`,
+unique per run and per worker, and removed at session end.
+
+Registry fallback (no usable cgroup v2): pytest cannot be moved, so during a test the turn's
+CGTURN_* variables are put into os.environ (every exec'd child inherits them; the registry attributes
+processes by them, setsid/double-fork daemons included), the registry makes pytest a child subreaper
+(orphans reparent to it), and at teardown pytest's children that did not exist before the test are
+adopted into the turn before it is killed.
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+
+from .backends.base import ENV_SCOPE, ENV_TASK, ENV_TURN
+from .errors import CgturnError, TurnExists, UnsafeOperation
+from .kernel import discovery, procfs
+from .kernel.cgroupfs import Cgroup
+from .manager import Turn, TurnManager
+
+MODES = ("fail", "warn", "ignore")
+TASK = "pytest"
+# user_properties key carrying leak report lines from the process that ran a test (an xdist worker)
+# to the one printing the terminal summary.
+REPORT_KEY = "cgturn_leaks"
+ROOT_PREFIX = "cgturn-pytest-"
+DEFAULT_SETTLE = 0.5
+SETTLE_POLL = 0.01
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("cgturn", "leak-free tests: every test in its own cgturn turn")
+    group.addoption("--cgturn", action="store_true", default=None,
+                    help="run every test in its own turn; report and kill what a test leaves running")
+    group.addoption("--cgturn-leaks", choices=MODES, default=None,
+                    help="what a leak does: fail (the test errors), warn (terminal summary; default), ignore")
+    parser.addini("cgturn", "enable the cgturn plugin (like --cgturn)", type="bool", default=False)
+    parser.addini("cgturn_leaks", "fail|warn|ignore (like --cgturn-leaks)", default="warn")
+    parser.addini("cgturn_settle", "seconds a test's processes get to exit after teardown before they "
+                  "count as leaks", default=str(DEFAULT_SETTLE))
+
+
+def pytest_configure(config):
+    enabled = config.getoption("--cgturn") or config.getini("cgturn")
+    if not enabled:
+        return
+    mode = config.getoption("--cgturn-leaks") or config.getini("cgturn_leaks")
+    if mode not in MODES:
+        raise pytest.UsageError(f"cgturn_leaks must be one of {', '.join(MODES)}, not {mode!r}")
+    try:
+        settle = float(config.getini("cgturn_settle"))
+    except ValueError as err:
+        raise pytest.UsageError(f"cgturn_settle must be a number of seconds: {err}") from None
+    config.pluginmanager.register(LeakGuard(config, mode, settle), "cgturn-leakguard")
+
+
+def leak_line(where: str, pid: int, command: str) -> str:
+    """One report line: who leaked (node id), the pid and its command line."""
+    return f"{where}: pid {pid}: {command or '?'}"
+
+
+def run_name() -> str:
+    """`cgturn-pytest-<random>[-<xdist worker>]`: unique per run and per worker."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return ROOT_PREFIX + uuid.uuid4().hex[:10] + (f"-{worker}" if worker else "")
+
+
+def managed_root_for(host) -> str | None:
+    """`<parent>/<run_name()>`; the parent is CGTURN_ROOT, else pytest's own cgroup."""
+    parent = os.environ.get("CGTURN_ROOT") or host.own_cgroup
+    return os.path.join(parent, run_name()) if parent else None
+
+
+class _Scope:
+    """The turn of one test or one wider-scope fixture, and what to call it in a report."""
+
+    def __init__(self, turn: Turn, label: str, baseline: frozenset[int] = frozenset()):
+        self.turn, self.label, self.baseline = turn, label, baseline
+        self.claimed: set[int] = set()
+
+
+class LeakGuard:
+    """The plugin's state for one pytest process (one xdist worker); registered only when enabled."""
+
+    def __init__(self, config, mode: str, settle: float):
+        self.config, self.mode, self.settle = config, mode, settle
+        self.leaks: list[str] = []          # report lines, gathered from every test report
+        self._mgr: TurnManager | None = None
+        self._cgroup2 = False
+        self._home: Cgroup | None = None    # pytest's original cgroup (cgroup2 backend)
+        self._root: str | None = None
+        self._task = ""
+        self._test: _Scope | None = None    # the running test's turn
+        self._inside: list[Turn] = []       # where pytest is now: test turn, then nested fixture turns
+        self._item = None
+        self._saved_env: dict[str, str | None] = {}
+        self._seq = 0
+        self._claimed: set[int] = set()     # registry: children adopted by wider-scope fixture turns
+
+    # --- the manager, made on first use so an xdist controller (which runs no test) creates nothing
+
+    @property
+    def mgr(self) -> TurnManager:
+        if self._mgr is None:
+            host = discovery.discover(root=None)
+            self._root = managed_root_for(host) if host.cgroup2_mount else None
+            # One task per run (and per xdist worker): runs sharing a registry never meet.
+            self._task = os.path.basename(self._root) if self._root else run_name()
+            self._mgr = TurnManager(root=self._root)
+            self._cgroup2 = self._mgr.backend.name == "cgroup2"
+            if self._cgroup2:
+                self._home = Cgroup(host.own_cgroup)
+        return self._mgr
+
+    # --- entering and leaving a turn --------------------------------------------------------------
+
+    def _begin(self, turn_id: str) -> Turn:
+        for attempt in range(1, 100):
+            try:
+                return self.mgr.begin_turn(self._task, turn_id if attempt == 1 else f"{turn_id}#{attempt}")
+            except TurnExists:
+                continue  # the same node id ran before (reruns) and its turn still exists
+        raise CgturnError(f"cannot begin a turn for {turn_id!r}")
+
+    def _switch(self, turn: Turn | None) -> None:
+        """Make `turn` (None: no turn) the place where what pytest starts from now on belongs."""
+        if self._cgroup2:
+            if turn is None:
+                self._home.move_in(os.getpid())   # the one move outside the managed root
+            else:
+                turn.adopt(os.getpid())           # moves pytest (all its threads) into the turn
+            return
+        if turn is None:
+            self._set_env({name: None for name in (ENV_TASK, ENV_TURN, ENV_SCOPE)})
+        else:
+            rec = turn.record
+            self._set_env({ENV_TASK: rec.task_key, ENV_TURN: rec.turn_key, ENV_SCOPE: self.mgr.backend.scope})
+
+    def _push(self, turn: Turn) -> None:
+        self._inside.append(turn)
+        self._switch(turn)
+
+    def _pop(self) -> None:
+        self._inside.pop()
+        self._switch(self._inside[-1] if self._inside else None)
+
+    def _set_env(self, values: dict[str, str | None]) -> None:
+        for name, value in values.items():
+            if value is None:
+                if name in self._saved_env:
+                    old = self._saved_env.pop(name)
+                    if old is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = old
+            else:
+                self._saved_env.setdefault(name, os.environ.get(name))
+                os.environ[name] = value
+
+    def _children(self) -> frozenset[int]:
+        """Pytest's live child processes (registry backend: what a test started directly)."""
+        if self._cgroup2:
+            return frozenset()
+        me = os.getpid()
+        return frozenset(pid for pid in procfs.all_pids()
+                         if (st := procfs.stat(pid)) is not None and st.ppid == me and st.state != "Z")
+
+    def _finish(self, scope: _Scope) -> list[str]:
+        """Wait up to the settle time for the scope's turn to empty, then kill and report the rest."""
+        turn = scope.turn
+        if not self._cgroup2:
+            for pid in self._children() - scope.baseline - self._claimed:
+                try:
+                    turn.adopt(pid)
+                except CgturnError:
+                    pass  # it exited meanwhile
+        deadline = time.monotonic() + self.settle
+        pids = turn.pids()
+        while pids and time.monotonic() < deadline:
+            time.sleep(SETTLE_POLL)  # polling: the ownership layer has no public wait_empty
+            pids = turn.pids()
+        commands = {pid: procfs.cmdline(pid) for pid in pids}
+        result = turn.abandon("pytest-leak", grace=0, force=True)
+        killed = sorted(set(result.killed) | set(commands))
+        return [leak_line(scope.label, pid, commands.get(pid, "")) for pid in killed]
+
+    # --- per test ---------------------------------------------------------------------------------
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_setup(self, item):
+        self._item = item
+        turn = self._begin(item.nodeid)
+        self._test = _Scope(turn, item.nodeid, self._children())
+        self._push(turn)
+        return (yield)
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        try:
+            outcome = yield
+        except BaseException:
+            self._publish(item, self._end_test())
+            raise
+        lines = self._end_test()
+        self._publish(item, lines)
+        if lines and self.mode == "fail":
+            pytest.fail("cgturn: the test left processes running (killed):\n  " + "\n  ".join(lines),
+                        pytrace=False)
+        return outcome
+
+    def _end_test(self) -> list[str]:
+        scope, self._test = self._test, None
+        if scope is None:
+            return []
+        self._inside.clear()
+        self._switch(None)
+        return self._finish(scope)
+
+    def _publish(self, item, lines: list[str]) -> None:
+        if lines:
+            item.user_properties.append((REPORT_KEY, lines))
+
+    # --- fixtures of wider scope ------------------------------------------------------------------
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        if fixturedef.scope == "function" or not self._inside:
+            return (yield)
+        where = request.node.nodeid or "session"
+        label = f"{where} ({fixturedef.scope} fixture {fixturedef.argname!r})"
+        self._seq += 1
+        turn = self._begin(f"{fixturedef.scope}:{fixturedef.argname}@{where}#{self._seq}")
+        scope = _Scope(turn, label, self._children())
+        # Registered before the fixture runs, so it runs after the fixture's own teardown (LIFO).
+        fixturedef.addfinalizer(lambda: self._end_scope(scope))
+        self._push(turn)
+        try:
+            return (yield)
+        finally:
+            self._pop()
+            self._claim(scope)
+
+    def _claim(self, scope: _Scope) -> None:
+        """Registry: pytest's children started by a wider-scope fixture belong to its turn, not the test's."""
+        for pid in self._children() - scope.baseline - self._claimed:
+            try:
+                scope.turn.adopt(pid)
+                scope.claimed.add(pid)
+                self._claimed.add(pid)
+            except CgturnError:
+                pass  # it exited meanwhile
+
+    def _end_scope(self, scope: _Scope) -> None:
+        lines = self._finish(scope)
+        self._claimed -= scope.claimed
+        if self._item is not None:
+            self._publish(self._item, lines)
+        if lines and self.mode == "fail":
+            pytest.fail("cgturn: a fixture left processes running (killed):\n  " + "\n  ".join(lines),
+                        pytrace=False)
+
+    # --- the fixture ------------------------------------------------------------------------------
+
+    @pytest.fixture
+    def cgturn_turn(self) -> Turn:
+        """The current test's turn. It contains pytest, so abandoning it is refused."""
+        if self._test is None:
+            raise UnsafeOperation("cgturn_turn is only available while a test runs")
+        record = self._test.turn.record
+        return Turn(self.mgr, record) if self._cgroup2 else _TestTurn(self.mgr, record)
+
+    # --- reporting (runs where the terminal is: the xdist controller, or the only process) --------
+
+    def pytest_runtest_logreport(self, report):
+        if report.when != "teardown":
+            return
+        for key, value in getattr(report, "user_properties", ()):
+            if key == REPORT_KEY:
+                self.leaks.extend(value)
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.leaks and self.mode == "warn":
+            terminalreporter.section("cgturn leaks")
+            terminalreporter.write_line(f"{len(self.leaks)} process(es) left running by tests (killed):")
+            for line in self.leaks:
+                terminalreporter.write_line("  " + line)
+
+    # --- session end ------------------------------------------------------------------------------
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session):
+        self._shutdown()
+
+    def pytest_unconfigure(self, config):
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Back home, kill whatever is left in any turn, remove the managed root (interrupts too)."""
+        if self._mgr is None:
+            return
+        try:
+            if self._inside:
+                self._inside.clear()
+                self._switch(None)
+            self._test = None
+            self._mgr.end_task(self._task, reason="pytest-session-end")
+        finally:
+            self._mgr.close()
+            self._mgr = None
+            if self._root is not None:
+                Cgroup(self._root).remove_tree(timeout=2.0)
+
+
+class _TestTurn(Turn):
+    """The test's turn as the test sees it: pytest is in it, so ending it from the test is refused.
+
+    On cgroup v2 the manager refuses by itself (the turn contains the caller); on the registry pytest
+    is not a member, so the refusal is stated here.
+    """
+
+    def abandon(self, reason: str, grace: float = 2.0, force: bool = False):
+        raise UnsafeOperation("refusing to abandon the current test's turn: it contains pytest "
+                              "(the cgturn plugin ends it after teardown)")
+
