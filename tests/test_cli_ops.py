@@ -215,3 +215,44 @@ def test_bad_input_leaves_an_existing_turn_alone(cgroup2_root, state_dir, runs):
         out = cli(cgroup2_root, state_dir, *args)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, (args, out.stderr)
     assert alive(daemon) and ps(cgroup2_root, state_dir)[("chat", "t-1")]["state"] == "running"
+
+
+def test_ps_and_reap_on_the_registry_backend(state_dir):
+    """The same recovery where cgroup v2 is not used: owner SIGKILLed, reap finds its turn's daemon."""
+    base = [PY, "-m", "cgturn", "--backend", "registry", "--state-dir", state_dir]
+    env = {**os.environ, "CGTURN_SENTINEL": "0"}
+    owner = subprocess.Popen([*base, "run", "--task", "gw", "--turn", "crashed", "--", "sh", "-c", DAEMON_AND_WAIT],
+                             stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        daemon = int(owner.stdout.readline())
+        rows = json.loads(subprocess.run([*base, "ps", "--json"], capture_output=True, text=True, timeout=60).stdout)
+        assert [(r["turn"], r["state"], daemon in r["pids"]) for r in rows] == [("crashed", "running", True)]
+        owner.kill()
+        owner.wait()
+        out = subprocess.run([*base, "reap", "--json"], capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 0, out.stderr
+        assert [(a["action"], daemon in a["killed"]) for a in json.loads(out.stdout)] == [("abandoned", True)]
+        assert wait_until(lambda: not alive(daemon))
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+        from conftest import kill_scope
+        kill_scope(os.path.join(state_dir, "registry.sqlite3"))
+
+
+def test_watch_redraws_until_ctrl_c(cgroup2_root, state_dir):
+    p = subprocess.Popen([PY, "-m", "cgturn", "--root", cgroup2_root, "--state-dir", state_dir, "watch",
+                          "--interval", "0.1"], stdout=subprocess.PIPE, text=True)
+    try:
+        headers = 0
+        while headers < 2:  # two frames drawn: it keeps refreshing
+            line = p.stdout.readline()
+            assert line, "watch exited early"
+            headers += line.startswith("cgturn watch")
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
