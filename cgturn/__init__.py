@@ -6,10 +6,11 @@ from .errors import (CgroupUnavailable, CgturnError, KernelError, NoSuchTurn, Pe
                      UnsafeOperation)
 from .manager import Turn, TurnManager
 from .model import ABANDONED, COMPLETED, RUNNING, AbandonResult, TurnInfo
+from .supervisor import Outcome, Run, Supervisor, reap_disconnected
 
 __all__ = [
     "TurnManager", "Turn", "AbandonResult", "TurnInfo", "RUNNING", "COMPLETED", "ABANDONED",
     "CgturnError", "CgroupUnavailable", "PermissionDenied", "TurnExists", "NoSuchTurn", "UnsafeOperation",
-    "KernelError",
+    "KernelError", "Supervisor", "Outcome", "Run", "reap_disconnected",
 ]
 __version__ = "0.1.0"

@@ -45,6 +45,8 @@ class TurnManager:
         backend: "auto", "cgroup2" or "registry" (env CGTURN_BACKEND). "auto" uses cgroup2 when usable.
         state_dir: registry database, metadata fallback, audit log (env CGTURN_STATE_DIR).
         recover: apply the `reap` policy now: abandon running turns whose owner is gone.
+        sentinel: allow a supervisor to start the out-of-process sentinel for this manager
+            (env CGTURN_SENTINEL=0 turns it off; default on). See docs/supervision.md.
 
     Raises:
         ValueError: unknown backend name.
@@ -52,13 +54,17 @@ class TurnManager:
     """
 
     def __init__(self, root: str | None = None, backend: str | None = None, state_dir: str | None = None,
-                 recover: bool = False):
+                 recover: bool = False, sentinel: bool | None = None):
         choice = backend or os.environ.get("CGTURN_BACKEND") or "auto"
         if choice not in BACKENDS:
             raise ValueError(f"unknown backend {choice!r} (expected one of {', '.join(BACKENDS)})")
         self.state_dir = state_dir or os.environ.get("CGTURN_STATE_DIR") or default_state_dir()
         self.host = discovery.discover(root)
         self.backend: Backend = self._make_backend(choice)
+        self.sentinel_enabled = _sentinel_setting(sentinel)
+        # Observers from the supervision layer (the sentinel client): a callback slot, so this layer
+        # never imports the one above it.
+        self._listeners: list = []
         if recover:
             self.reap()
 
@@ -85,7 +91,28 @@ class TurnManager:
         self.close()
 
     def close(self) -> None:
+        self._notify("manager_closed")
         self.backend.close()
+
+    # --- hooks for the supervision layer ----------------------------------------------------------
+
+    def add_listener(self, listener) -> None:
+        """Register an observer; it may define turn_begun(turn), turn_touched(turn),
+        turn_ended(task_key, turn_key) and manager_closed(). Called synchronously; must be cheap."""
+        self._listeners.append(listener)
+
+    @property
+    def listeners(self) -> tuple:
+        return tuple(self._listeners)
+
+    def _notify(self, event: str, *args) -> None:
+        for listener in self._listeners:
+            hook = getattr(listener, event, None)
+            if hook is not None:
+                try:
+                    hook(*args)
+                except Exception:  # noqa: BLE001 - an observer must never break ownership
+                    log.exception("cgturn listener %r failed on %s", listener, event)
 
     # --- turns ------------------------------------------------------------------------------------
 
@@ -103,7 +130,9 @@ class TurnManager:
                             turn_key=ids.encode(turn_id), state=RUNNING, owner_pid=me,
                             owner_start=procfs.start_time(me), started_at=time.time())
         self.backend.create_turn(record)
-        return Turn(self, record)
+        turn = Turn(self, record)
+        self._notify("turn_begun", turn)
+        return turn
 
     def turn(self, task_id: str, turn_id: str) -> "Turn":
         """The existing turn with these ids. Raises NoSuchTurn, or ValueError for invalid ids."""
@@ -260,6 +289,7 @@ class TurnManager:
             "reason": reason, "ended_at": time.time(), "killer_pid": me, "killer_start": procfs.start_time(me)})
         if not won or rec is None:
             return AbandonResult(skipped=True, reason=(rec.reason if rec else None) or reason)
+        self._notify("turn_ended", task_key, turn_key)
         return self._kill(rec, reason, grace)
 
     def _kill(self, rec: TurnRecord, reason: str, grace: float) -> AbandonResult:
@@ -311,6 +341,11 @@ class Turn:
         self._manager = manager
         self._record = record
         self.last_activity = time.monotonic()
+
+    @property
+    def manager(self) -> TurnManager:
+        """The TurnManager this turn belongs to."""
+        return self._manager
 
     @property
     def task_id(self) -> str:
@@ -365,6 +400,8 @@ class Turn:
     def touch(self) -> None:
         """Report activity (resets the inactivity timeout of a supervised turn)."""
         self.last_activity = time.monotonic()
+        if self._manager._listeners:
+            self._manager._notify("turn_touched", self)
 
     def complete(self) -> bool:
         """Release ownership: what the turn left running survives every later (unforced) abandon.
@@ -376,6 +413,7 @@ class Turn:
         if rec is not None:
             self._record = rec
         if won:
+            self._manager._notify("turn_ended", self._record.task_key, self._record.turn_key)
             self._manager._collect_if_finished(rec)
         return won
 
@@ -392,6 +430,13 @@ class Turn:
         if grace < 0:
             raise ValueError("grace must be >= 0")
         return self._manager._abandon(self._record.task_key, self._record.turn_key, reason, grace, force)
+
+
+def _sentinel_setting(value: bool | None) -> bool:
+    """The constructor keyword wins; else env CGTURN_SENTINEL ("0", "false", "no", "off" disable)."""
+    if value is not None:
+        return bool(value)
+    return os.environ.get("CGTURN_SENTINEL", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _valid(value: str) -> bool:

@@ -1,0 +1,385 @@
+"""The sentinel: one helper process per TurnManager that enforces turn deadlines from outside the owner.
+
+An in-process watchdog cannot help when the owner itself is SIGSTOPped, wedged with the GIL held,
+swapping, or dead. The sentinel is a separate process (`python -m cgturn.sentinel`, its own session,
+stdio on /dev/null) that holds every guarded turn's hard deadline and inactivity timeout and abandons
+the turn through the same library path as the owner (a TurnManager of its own, so the atomic
+first-transition-wins rule and the audit log hold).
+
+Channel: an AF_UNIX SOCK_SEQPACKET socketpair; each datagram is one JSON message (`guard`, `touch`,
+`unguard`). Times are CLOCK_MONOTONIC, which is one clock for every process of the host. Touches are
+rate-limited in the owner (one per TOUCH_INTERVAL per turn), so a stopped owner simply reports none
+and its turn dies on time; the sentinel adds SLACK to every due time so the owner's own watchdog,
+which knows the exact activity, normally acts first.
+
+Owner death: the sentinel holds a pidfd of the owner (5.3+) and also sees EOF on the socket. When the
+owner is dead it abandons every running turn it guards at once (reason `owner-died`, no grace);
+completed turns are not guarded, so their survivors stay. It exits when it guards nothing and the
+owner's channel is closed.
+
+This module is both the owner-side client (`attach`, `SentinelClient`) and the process (`main`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from . import ids
+from .kernel import procfs
+from .model import RUNNING
+
+log = logging.getLogger("cgturn.sentinel")
+
+# One touch per turn per TOUCH_INTERVAL reaches the sentinel: a touch is a compare in the hot path.
+TOUCH_INTERVAL = 0.1
+# Added to every due time in the sentinel: covers the touch rate limit and lets the in-process
+# watchdog (which fires the interrupt and knows the exact activity) act first when it can.
+SLACK = 0.25
+# How often the sentinel drops guards of turns that ended without telling it (CLI stop, end_task).
+SWEEP_INTERVAL = 0.5
+# How long `close()` waits for an idle sentinel to exit before leaving it to finish on its own.
+CLOSE_WAIT = 2.0
+MAX_MESSAGE = 65536
+OWNER_DIED = "owner-died"
+REASON_INACTIVITY = "timeout"
+REASON_DEADLINE = "deadline"
+_SEND_TIMEOUT = 2.0
+_ATTACH_LOCK = threading.Lock()
+
+
+# --- owner side ------------------------------------------------------------------------------------
+
+def attach(manager) -> "SentinelClient | None":
+    """The sentinel client of `manager`, starting the sentinel on first use; None when switched off.
+
+    Args:
+        manager: a TurnManager; `manager.sentinel_enabled` (keyword `sentinel=`, env CGTURN_SENTINEL)
+            decides whether a sentinel may be started.
+
+    Returns:
+        The SentinelClient registered as a listener of the manager, or None when disabled.
+
+    Raises:
+        OSError: the sentinel process could not be started.
+    """
+    if not getattr(manager, "sentinel_enabled", False):
+        return None
+    with _ATTACH_LOCK:
+        for listener in manager.listeners:
+            if isinstance(listener, SentinelClient) and not listener.closed:
+                return listener
+        client = SentinelClient(manager)
+        manager.add_listener(client)
+        client.guard_owned_turns()
+        return client
+
+
+class SentinelClient:
+    """The owner's end of the channel; a TurnManager listener (begin/touch/end/close reach it)."""
+
+    def __init__(self, manager):
+        self._manager = manager
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock.settimeout(_SEND_TIMEOUT)
+        self._last_touch: dict[tuple[str, str], float] = {}
+        self.closed = False
+        try:
+            self.process = _start_process(manager, theirs.fileno())
+        finally:
+            theirs.close()
+
+    def __repr__(self) -> str:
+        return f"<SentinelClient pid={self.process.pid} {'closed' if self.closed else 'open'}>"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def guard(self, turn, deadline: float | None = None, inactivity: float | None = None,
+              grace: float = 2.0) -> None:
+        """Ask the sentinel to abandon `turn` at `deadline` (monotonic) or after `inactivity` seconds
+        without a touch; with neither, it is abandoned only when the owner dies."""
+        self._send(_guard_message(turn.task_id, turn.turn_id, deadline, inactivity, grace, turn.last_activity),
+                   block=True)
+
+    def guard_owned_turns(self) -> None:
+        """Guard (for owner death only) the running turns this process began before attaching."""
+        me = os.getpid()
+        start = procfs.start_time(me)
+        for rec in self._manager.backend.records():
+            if rec.state == RUNNING and rec.owner_pid == me and rec.owner_start == start:
+                self._send(_guard_message(rec.task_id, rec.turn_id, None, None, 0.0, time.monotonic()),
+                           block=True)
+
+    # TurnManager listener hooks -------------------------------------------------------------------
+
+    def turn_begun(self, turn) -> None:
+        self.guard(turn, grace=0.0)
+
+    def turn_touched(self, turn) -> None:
+        ids_ = (turn.task_id, turn.turn_id)
+        now = turn.last_activity
+        if now - self._last_touch.get(ids_, float("-inf")) < TOUCH_INTERVAL:
+            return
+        if self._send({"op": "touch", "key": _key(*ids_), "at": now}, block=False):
+            self._last_touch[ids_] = now
+
+    def turn_ended(self, task_key: str, turn_key: str) -> None:
+        self._send({"op": "unguard", "key": [task_key, turn_key]}, block=True)
+        # Forget rate-limit stamps of long-idle turns, so the dict does not grow with every turn.
+        horizon = time.monotonic() - 60
+        self._last_touch = {k: v for k, v in self._last_touch.items() if v > horizon}
+
+    def manager_closed(self) -> None:
+        self.close()
+
+    def close(self, wait: float = CLOSE_WAIT) -> None:
+        """Close the channel (the sentinel sees EOF); wait up to `wait` s for it to exit if idle."""
+        if self.closed:
+            return
+        self.closed = True
+        self._sock.close()
+        try:
+            self.process.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            # Still guarding running turns of a live owner: it exits once they end.
+            log.debug("sentinel %d still guarding after close", self.process.pid)
+
+    def _send(self, message: dict, block: bool) -> bool:
+        if self.closed:
+            return False
+        data = json.dumps(message).encode()
+        try:
+            if block:
+                self._sock.sendall(data)
+            else:
+                # A touch must never stall the owner: drop it when the buffer is full (the next
+                # touch retries, as its rate-limit stamp was not updated).
+                self._sock.send(data, socket.MSG_DONTWAIT)
+            return True
+        except (BlockingIOError, TimeoutError):
+            return False
+        except OSError as err:
+            log.error("sentinel channel broken (%s); deadlines are enforced in-process only", err)
+            self.closed = True
+            return False
+
+
+def _key(task_id: str, turn_id: str) -> list[str]:
+    return [ids.encode(task_id), ids.encode(turn_id)]
+
+
+def _guard_message(task_id: str, turn_id: str, deadline: float | None, inactivity: float | None,
+                   grace: float, last: float) -> dict:
+    return {"op": "guard", "key": _key(task_id, turn_id), "task": task_id, "turn": turn_id,
+            "deadline": deadline, "inactivity": inactivity, "grace": grace, "last": last}
+
+
+def _start_process(manager, fd: int) -> subprocess.Popen:
+    """Start `python -m cgturn.sentinel` in its own session, outside any turn, holding `fd`."""
+    me = os.getpid()
+    backend = manager.backend.name
+    argv = [sys.executable, "-m", "cgturn.sentinel", "--fd", str(fd), "--owner-pid", str(me),
+            "--owner-start", str(procfs.start_time(me)), "--backend", backend,
+            "--state-dir", manager.state_dir]
+    if backend == "cgroup2":
+        argv += ["--root", manager.backend.scope]
+    env = dict(os.environ)
+    # The sentinel must import this very cgturn, installed or not.
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+    # stdio on /dev/null: a sentinel must never hold a pipe its owner's caller waits on.
+    return subprocess.Popen(argv, pass_fds=(fd,), env=env, start_new_session=True,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+# --- the sentinel process --------------------------------------------------------------------------
+
+@dataclass
+class Guard:
+    """One guarded turn: its deadlines as the sentinel sees them."""
+
+    task: str
+    turn: str
+    deadline: float | None
+    inactivity: float | None
+    grace: float
+    last: float
+
+    def due(self) -> tuple[float, str] | None:
+        """(monotonic time at which to abandon, reason), or None when only owner death ends it."""
+        options = []
+        if self.deadline is not None:
+            options.append((self.deadline + SLACK, REASON_DEADLINE))
+        if self.inactivity is not None:
+            options.append((self.last + self.inactivity + SLACK, REASON_INACTIVITY))
+        return min(options) if options else None
+
+
+class Sentinel:
+    """The loop of the sentinel process: read the channel, watch the owner, abandon due turns."""
+
+    def __init__(self, manager, sock: socket.socket, owner_pid: int, owner_start: int):
+        self.manager = manager
+        self.sock: socket.socket | None = sock
+        self.guards: dict[tuple[str, str], Guard] = {}
+        self.owner_pidfd = _open_owner(owner_pid, owner_start)
+        self.owner_dead = self.owner_pidfd is None
+        self.kills: list[threading.Thread] = []
+        self._next_sweep = time.monotonic() + SWEEP_INTERVAL
+
+    def run(self) -> None:
+        """Serve until nothing is guarded and the owner's channel is closed, or the owner died."""
+        while True:
+            self._wait_and_read(self._timeout())
+            if self.owner_dead:
+                # Everything the owner sent before it died is read by now (_drain reads to EAGAIN/EOF).
+                self._abandon_all(OWNER_DIED)
+                break
+            self._fire_due()
+            self._sweep()
+            if self.sock is None and not self.guards:
+                break
+        if self.sock is not None:
+            self.sock.close()
+        for thread in self.kills:
+            thread.join()
+
+    def _timeout(self) -> float:
+        if self.owner_dead:
+            return 0.0
+        now = time.monotonic()
+        dues = [d[0] for g in self.guards.values() if (d := g.due()) is not None]
+        nearest = min(dues, default=now + 3600)
+        if self.guards:
+            nearest = min(nearest, self._next_sweep)
+        return max(0.0, nearest - now)
+
+    def _wait_and_read(self, timeout: float) -> None:
+        poller = select.poll()
+        if self.sock is not None:
+            poller.register(self.sock.fileno(), select.POLLIN)
+        if self.owner_pidfd is not None and not self.owner_dead:
+            poller.register(self.owner_pidfd, select.POLLIN)
+        for fd, _ in poller.poll(int(timeout * 1000) + 1):
+            if fd == self.owner_pidfd:
+                self.owner_dead = True  # a pidfd polls readable once its process has exited
+        if self.sock is not None:
+            self._drain()
+
+    def _drain(self) -> None:
+        while self.sock is not None:
+            try:
+                data = self.sock.recv(MAX_MESSAGE, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self.sock.close()
+                self.sock = None
+                # EOF: the owner closed its manager or died; a pidfd poll tells which.
+                if self.owner_pidfd is not None and select.select([self.owner_pidfd], [], [], 0)[0]:
+                    self.owner_dead = True
+                return
+            self._handle(json.loads(data))
+
+    def _handle(self, msg: dict) -> None:
+        op = msg.get("op")
+        key = tuple(msg["key"])
+        if op == "guard":
+            self.guards[key] = Guard(msg["task"], msg["turn"], msg.get("deadline"), msg.get("inactivity"),
+                                     float(msg.get("grace") or 0), float(msg.get("last") or time.monotonic()))
+        elif op == "touch":
+            guard = self.guards.get(key)
+            if guard is not None:
+                guard.last = max(guard.last, float(msg["at"]))
+        elif op == "unguard":
+            self.guards.pop(key, None)
+
+    def _fire_due(self) -> None:
+        now = time.monotonic()
+        for key, guard in list(self.guards.items()):
+            due = guard.due()
+            if due is not None and due[0] <= now:
+                del self.guards[key]
+                self._kill(guard, due[1], guard.grace)
+
+    def _abandon_all(self, reason: str) -> None:
+        for key, guard in list(self.guards.items()):
+            del self.guards[key]
+            self._kill(guard, reason, 0.0)
+
+    def _kill(self, guard: Guard, reason: str, grace: float) -> None:
+        # One thread per kill: a turn's grace period must not delay another turn's deadline.
+        thread = threading.Thread(target=self._abandon, args=(guard, reason, grace), daemon=True)
+        thread.start()
+        self.kills.append(thread)
+
+    def _abandon(self, guard: Guard, reason: str, grace: float) -> None:
+        try:
+            result = self.manager.turn(guard.task, guard.turn).abandon(reason, grace=grace)
+            if not result.skipped:
+                log.info("abandoned %r/%r: %s, killed %s", guard.task, guard.turn, reason, result.killed)
+        except Exception:  # noqa: BLE001 - one failed kill must not end the sentinel
+            log.exception("sentinel could not abandon %r/%r", guard.task, guard.turn)
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_INTERVAL
+        for key, guard in list(self.guards.items()):
+            rec = self.manager.backend.load(*key)
+            if rec is None or rec.state != RUNNING:
+                del self.guards[key]
+
+
+def _open_owner(pid: int, start: int) -> int | None:
+    """A pidfd of the owner, or None when it is already gone (or a reused pid)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+    # Checked after opening: the pidfd now pins this very process, so a later start-time match holds.
+    if not procfs.is_alive(pid, start):
+        os.close(fd)
+        return None
+    return fd
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m cgturn.sentinel", description=__doc__.splitlines()[0])
+    p.add_argument("--fd", type=int, required=True, help="the SOCK_SEQPACKET channel from the owner")
+    p.add_argument("--owner-pid", type=int, required=True)
+    p.add_argument("--owner-start", type=int, required=True)
+    p.add_argument("--backend", required=True)
+    p.add_argument("--state-dir", required=True)
+    p.add_argument("--root")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the sentinel process. Returns its exit status."""
+    args = build_parser().parse_args(argv)
+    os.makedirs(args.state_dir, exist_ok=True)
+    logging.basicConfig(filename=os.path.join(args.state_dir, "sentinel.log"), level=logging.INFO,
+                        format=f"%(asctime)s sentinel[{os.getpid()}] %(levelname)s %(message)s")
+    from .manager import TurnManager
+    sock = socket.socket(fileno=args.fd)
+    with TurnManager(root=args.root, backend=args.backend, state_dir=args.state_dir, sentinel=False) as mgr:
+        Sentinel(mgr, sock, args.owner_pid, args.owner_start).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

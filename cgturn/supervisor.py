@@ -1,0 +1,415 @@
+"""Turn supervision for gateways: run one turn's worker under an inactivity timeout and a deadline.
+
+Three things can end a supervised turn, and exactly one of them decides:
+
+- the worker finishes: the supervisor clears the run's ownership markers and completes the turn in
+  the same locked step, so a stop that lands a moment later finds nothing to kill;
+- the watchdog (a daemon thread, so it fires while the event loop is blocked) sees the inactivity
+  timeout or the hard deadline pass;
+- an explicit stop: `/stop`, `/new`, a client that disconnected (`stop(reason)`, `reap_disconnected`).
+
+Every abandon cause goes through `Supervisor.stop`, the one abandon path: decide once under a lock
+(completion checked first, so a completed worker's result stands), fire `on_interrupt` once, ask the
+optional `is_still_current()` guard (False skips the kill, an exception kills: fail open), then
+`Turn.abandon(reason)`, whose first-transition-wins state change is atomic across processes (the
+sentinel, the CLI). The interrupt fires even when the kill is skipped.
+
+The sentinel (cgturn.sentinel) holds the same deadlines outside the process, for an owner that is
+stopped, wedged or dead.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from . import ids, sentinel
+from .model import RUNNING, AbandonResult
+
+log = logging.getLogger("cgturn.supervisor")
+
+REASON_TIMEOUT = "timeout"
+REASON_DEADLINE = "deadline"
+REASON_STOP = "stop"
+REASON_NEW_SESSION = "new-session"
+REASON_DISCONNECT = "disconnect"
+REASON_ERROR = "error"
+REASON_CANCELLED = "cancelled"
+# How often the watchdog polls an `activity` callable (a touch has its own push path).
+ACTIVITY_POLL = 0.1
+# How long run() waits for a cancelled coroutine worker to unwind after an abandon.
+CANCEL_WAIT = 1.0
+
+
+class Run:
+    """Per-run ownership markers of an API server: which task and turn a run owns while in flight.
+
+    The supervisor sets them when the worker starts and clears them the instant it finishes;
+    `reap_disconnected(run)` abandons only a run that still holds them.
+    """
+
+    def __init__(self, run_id: str | None = None):
+        self.run_id = run_id
+        self._lock = threading.Lock()
+        self.task_id: str | None = None
+        self.turn = None
+        self.supervisor: "Supervisor | None" = None
+
+    def __repr__(self) -> str:
+        return f"<Run {self.run_id!r} owns {self.task_id!r}>" if self.owned else f"<Run {self.run_id!r} idle>"
+
+    def mark(self, task_id: str, turn, supervisor: "Supervisor | None" = None) -> None:
+        """Record that this run owns `turn` of `task_id` (set while the run is in flight)."""
+        with self._lock:
+            self.task_id, self.turn, self.supervisor = task_id, turn, supervisor
+
+    def clear(self) -> None:
+        """Drop the markers: the run no longer owns anything."""
+        with self._lock:
+            self.task_id = self.turn = self.supervisor = None
+
+    @property
+    def owned(self) -> bool:
+        return self.turn is not None
+
+    def markers(self) -> tuple[str | None, Any, "Supervisor | None"]:
+        with self._lock:
+            return self.task_id, self.turn, self.supervisor
+
+
+def reap_disconnected(run: Run, grace: float = 2.0) -> AbandonResult | None:
+    """A client of `run` went away: abandon the turn the run owns (reason `disconnect`).
+
+    Returns:
+        The AbandonResult, or None when the run holds no markers (never started, or finished) or its
+        task id is blank: nothing is reaped then.
+    """
+    task_id, turn, supervisor = run.markers()
+    if turn is None or task_id is None or ids.is_blank(task_id):
+        return None
+    if supervisor is not None:
+        return supervisor.stop(REASON_DISCONNECT, grace=grace)
+    return turn.abandon(REASON_DISCONNECT, grace=grace)
+
+
+@dataclasses.dataclass
+class Outcome:
+    """How a supervised turn ended. Exactly one of completed / abandoned (`reason` set) holds."""
+
+    completed: bool
+    result: Any = None
+    reason: str | None = None
+    abandon: AbandonResult | None = None
+    error: BaseException | None = None
+    interrupted: bool = False
+
+    @property
+    def abandoned(self) -> bool:
+        return not self.completed
+
+
+class Supervisor:
+    """Runs one turn's worker with an inactivity timeout, an optional deadline and stop causes.
+
+    Args:
+        turn: the running Turn to supervise (from TurnManager.begin_turn).
+        timeout: inactivity timeout in seconds (reason `timeout`): activity is `turn.touch()` and, if
+            given, the `activity` callable; with neither, wall-clock time since start. None: no timeout.
+        deadline: hard limit in seconds since start (reason `deadline`), whatever the activity.
+        grace: seconds between SIGTERM and SIGKILL when the turn is abandoned.
+        on_interrupt: called once, with the reason, when the turn is being abandoned (before the
+            kill; also when the kill is skipped). Runs in the thread that decided (often the
+            watchdog thread): make it thread-safe, e.g. `loop.call_soon_threadsafe(...)`.
+        activity: callable returning the monotonic time of the last activity (or None).
+        is_still_current: guard asked before a kill; False (a newer turn claimed the task) skips the
+            kill, an exception kills anyway (fail open).
+        run: API-server markers to set while the worker runs and clear the instant it finishes.
+        use_sentinel: also register the deadlines with the manager's sentinel (when enabled there).
+    """
+
+    def __init__(self, turn, *, timeout: float | None = None, deadline: float | None = None, grace: float = 2.0,
+                 on_interrupt: Callable[[str], Any] | None = None, activity: Callable[[], float | None] | None = None,
+                 is_still_current: Callable[[], bool] | None = None, run: Run | None = None,
+                 use_sentinel: bool = True):
+        for name, value in (("timeout", timeout), ("deadline", deadline)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        if not grace >= 0:
+            raise ValueError(f"grace must be >= 0, got {grace!r}")
+        self.turn = turn
+        self.timeout, self.deadline, self.grace = timeout, deadline, grace
+        self.on_interrupt, self.activity, self.is_still_current, self.run_markers = (
+            on_interrupt, activity, is_still_current, run)
+        self._use_sentinel = use_sentinel
+        self._lock = threading.Lock()
+        self._started_at: float | None = None
+        self._completed = False
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._reason: str | None = None          # set once: the abandon decision
+        self._abandon_result: AbandonResult | None = None
+        self._interrupted = False
+        self._settled = threading.Event()        # the outcome is final (kill finished, or completed)
+        self._wake = threading.Event()           # wakes the watchdog early (finish, stop)
+        self._fired: Callable[[], None] = lambda: None  # wakes an async run() from another thread
+        self._watchdog: threading.Thread | None = None
+        self._sentinel = None
+
+    def __repr__(self) -> str:
+        state = "completed" if self._completed else (f"abandoned ({self._reason})" if self._reason else "running")
+        return f"<Supervisor {self.turn.task_id!r}/{self.turn.turn_id!r} {state}>"
+
+    # --- running the worker ---------------------------------------------------------------------
+
+    async def run(self, worker, *args) -> Outcome:
+        """Run `worker(*args)` — a coroutine function (or awaitable), or a blocking callable run in
+        the loop's default executor — until it finishes or the turn is abandoned.
+
+        Returns:
+            The Outcome. A worker exception abandons the turn (reason `error`) and is in
+            `Outcome.error`. Cancelling run() abandons the turn (reason `cancelled`) and re-raises.
+        """
+        loop = asyncio.get_running_loop()
+        fired = asyncio.Event()
+        self._fired = lambda: loop.call_soon_threadsafe(fired.set)
+        self._start()
+        if self._reason is not None:  # stopped before it started: the worker never runs
+            if inspect.iscoroutine(worker):
+                worker.close()
+            await asyncio.to_thread(self._settled.wait)
+            return self._finish_run()
+        if inspect.iscoroutinefunction(worker) or inspect.isawaitable(worker):
+            coro = worker if inspect.isawaitable(worker) else worker(*args)
+            task = asyncio.ensure_future(self._wrap_async(coro))
+        else:
+            task = asyncio.ensure_future(loop.run_in_executor(None, self._wrap_blocking, worker, args))
+        firing = asyncio.ensure_future(fired.wait())
+        try:
+            # The poll loop: worker completion is checked before the abandon flag, so when both land
+            # in the same window the completed result stands.
+            while not task.done() and not self._settled.is_set():
+                await asyncio.wait({task, firing}, return_when=asyncio.FIRST_COMPLETED)
+                if firing.done():
+                    fired.clear()
+                    firing = asyncio.ensure_future(fired.wait())
+        except asyncio.CancelledError:
+            await asyncio.to_thread(self.stop, REASON_CANCELLED)
+            task.cancel()
+            raise
+        finally:
+            firing.cancel()
+        if not task.done():
+            task.cancel()  # abandoned: stop the coroutine too (a blocking callable cannot be stopped)
+            await asyncio.wait({task}, timeout=CANCEL_WAIT)
+        await asyncio.to_thread(self._settled.wait)
+        return self._finish_run()
+
+    def run_blocking(self, worker: Callable, *args) -> Outcome:
+        """Run `worker(*args)` in the calling thread (plain threads, no event loop); the watchdog
+        thread abandons the turn on time while it runs. Returns when the worker has returned and
+        the outcome is final; `on_interrupt` is how the worker learns to return early."""
+        self._start()
+        if self._reason is None:
+            self._wrap_blocking(worker, args)
+        self._settled.wait()
+        return self._finish_run()
+
+    async def _wrap_async(self, coro):
+        try:
+            result = await coro
+        except asyncio.CancelledError:
+            if self._reason is None:
+                self._worker_done(None, asyncio.CancelledError())
+            raise
+        except BaseException as err:  # noqa: BLE001 - recorded on the outcome
+            self._worker_done(None, err)
+            return None
+        self._worker_done(result, None)
+        return result
+
+    def _wrap_blocking(self, worker: Callable, args: tuple):
+        try:
+            result = worker(*args)
+        except BaseException as err:  # noqa: BLE001 - recorded on the outcome
+            self._worker_done(None, err)
+            return None
+        self._worker_done(result, None)
+        return result
+
+    def _start(self) -> None:
+        if self._started_at is not None:
+            raise RuntimeError("a Supervisor runs one worker once")
+        self._started_at = time.monotonic()
+        # Inactivity counts from the later of the turn's last touch and now (wall clock since start
+        # when nothing touches it); the sentinel gets the same base.
+        self.turn.last_activity = max(self.turn.last_activity, self._started_at)
+        if self.run_markers is not None:
+            self.run_markers.mark(self.turn.task_id, self.turn, self)
+        if self._use_sentinel:
+            self._sentinel = sentinel.attach(self.turn.manager)
+            if self._sentinel is not None:
+                self._sentinel.guard(self.turn, deadline=self._deadline_at(), inactivity=self.timeout,
+                                     grace=self.grace)
+        if self.timeout is not None or self.deadline is not None:
+            self._watchdog = threading.Thread(target=self._watch, name="cgturn-watchdog", daemon=True)
+            self._watchdog.start()
+
+    def _finish_run(self) -> Outcome:
+        self._wake.set()
+        if self.run_markers is not None:
+            self.run_markers.clear()
+        if self._sentinel is not None and not self._completed and self.turn.state == RUNNING:
+            # The guard skipped the kill: the turn stays running, guarded only against owner death.
+            self._sentinel.guard(self.turn, grace=0.0)
+        if self._completed:
+            return Outcome(completed=True, result=self._result)
+        return Outcome(completed=False, reason=self._reason, abandon=self._abandon_result,
+                       error=self._error, interrupted=self._interrupted)
+
+    # --- the decision ---------------------------------------------------------------------------
+
+    def _worker_done(self, result: Any, error: BaseException | None) -> None:
+        """The worker finished: clear markers and complete the turn in one locked step."""
+        with self._lock:
+            if self._reason is not None:
+                return  # abandoned first: this result is discarded
+            if error is None:
+                if self.run_markers is not None:
+                    self.run_markers.clear()
+                if self.turn.complete():
+                    self._completed, self._result = True, result
+                    self._settled.set()
+                    self._wake.set()
+                    return
+                # Another process (sentinel, CLI) abandoned the turn first: that outcome stands.
+                rec = self.turn.record
+                self._reason = rec.reason or "abandoned"
+                self._abandon_result = AbandonResult(skipped=True, reason=self._reason)
+                self._settled.set()
+                self._wake.set()
+                return
+            self._error = error
+        self.stop(REASON_ERROR, interrupt=False)
+
+    def stop(self, reason: str = REASON_STOP, grace: float | None = None, interrupt: bool = True) -> AbandonResult:
+        """Abandon the supervised turn: the one abandon path for every cause. Thread-safe, idempotent.
+
+        Args:
+            reason: recorded on the turn (`stop`, `new-session`, `disconnect`, `timeout`, ...).
+            grace: overrides the supervisor's grace for this kill.
+            interrupt: fire `on_interrupt` (the worker is still running).
+
+        Returns:
+            The AbandonResult of the one kill. After completion: skipped=True, nothing killed, no
+            interrupt. A second call returns the first call's result once it is done.
+
+        Raises:
+            UnsafeOperation: the turn contains the calling process.
+        """
+        with self._lock:
+            if self._completed:
+                return AbandonResult(skipped=True, reason=reason)
+            first = self._reason is None
+            if first:
+                self._reason = reason
+        self._wake.set()
+        if not first:
+            self._settled.wait()
+            return self._abandon_result or AbandonResult(skipped=True, reason=self._reason)
+        try:
+            if interrupt:
+                self._interrupt(reason)
+            self._abandon_result = self._kill(reason, self.grace if grace is None else grace)
+            return self._abandon_result
+        except BaseException as err:
+            self._error = self._error or err
+            self._abandon_result = AbandonResult(skipped=True, reason=reason)
+            raise
+        finally:
+            self._settled.set()
+            self._fired()
+
+    def new_session(self, grace: float | None = None) -> AbandonResult:
+        """`/new`: abandon the turn with reason `new-session`."""
+        return self.stop(REASON_NEW_SESSION, grace)
+
+    def disconnect(self, grace: float | None = None) -> AbandonResult:
+        """The client went away: abandon the turn with reason `disconnect`."""
+        return self.stop(REASON_DISCONNECT, grace)
+
+    async def astop(self, reason: str = REASON_STOP, grace: float | None = None) -> AbandonResult:
+        """`stop` from a coroutine, without blocking the event loop for the grace period."""
+        return await asyncio.to_thread(self.stop, reason, grace)
+
+    def _interrupt(self, reason: str) -> None:
+        self._interrupted = True
+        if self.on_interrupt is None:
+            return
+        try:
+            self.on_interrupt(reason)
+        except Exception:  # noqa: BLE001 - the kill must happen whatever the callback does
+            log.exception("on_interrupt failed for turn %r", self.turn.turn_id)
+
+    def _kill(self, reason: str, grace: float) -> AbandonResult:
+        if self.is_still_current is not None:
+            try:
+                current = bool(self.is_still_current())
+            except Exception:  # noqa: BLE001 - fail open: a broken guard must not leak processes
+                log.exception("is_still_current() raised; killing turn %r anyway", self.turn.turn_id)
+                current = True
+            if not current:
+                log.info("turn %r superseded by a newer turn: kill skipped (%s)", self.turn.turn_id, reason)
+                return AbandonResult(skipped=True, reason=reason)
+        return self.turn.abandon(reason, grace=grace)
+
+    # --- the watchdog ---------------------------------------------------------------------------
+
+    def _deadline_at(self) -> float | None:
+        return None if self.deadline is None else self._started_at + self.deadline
+
+    def _last_activity(self) -> float:
+        last = max(self._started_at, self.turn.last_activity)
+        if self.activity is not None:
+            try:
+                seen = self.activity()
+            except Exception:  # noqa: BLE001 - a broken activity source counts as no activity
+                log.exception("activity() raised")
+                seen = None
+            if seen is not None and seen > last:
+                self.turn.touch()  # forwards it to the sentinel (rate-limited)
+                last = seen
+        return last
+
+    def _due(self) -> tuple[float, str]:
+        options = []
+        if self.deadline is not None:
+            options.append((self._deadline_at(), REASON_DEADLINE))
+        if self.timeout is not None:
+            options.append((self._last_activity() + self.timeout, REASON_TIMEOUT))
+        return min(options)
+
+    def _watch(self) -> None:
+        """Daemon thread: abandon the turn when its deadline or inactivity timeout passes.
+
+        A thread, not a task on the event loop: it fires while the loop is blocked (time.sleep in a
+        coroutine, a CPU-bound callback; the GIL is handed over every sys.getswitchinterval()).
+        """
+        while True:
+            if self._settled.is_set() or self._reason is not None:
+                return
+            due, reason = self._due()
+            now = time.monotonic()
+            if due <= now:
+                try:
+                    self.stop(reason)
+                except Exception:  # noqa: BLE001 - recorded on the outcome by stop()
+                    log.exception("watchdog could not abandon turn %r", self.turn.turn_id)
+                return
+            wait = due - now
+            if self.activity is not None:
+                wait = min(wait, ACTIVITY_POLL)
+            self._wake.wait(wait)
