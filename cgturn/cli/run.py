@@ -11,8 +11,9 @@ import os
 import select
 import signal
 import sys
-import time
 
+from .. import sentinel
+from ..supervisor import Supervisor
 from . import common
 
 DEFAULT_TASK = "cli"
@@ -58,6 +59,9 @@ def run(args) -> int:
         raise ValueError("run needs a command after --")
     manager = common.make_manager(args)
     try:
+        # Started before the turn exists, so the turn is guarded against our death from its first
+        # moment (a SIGKILLed `cgturn run` must not leave CMD running).
+        sentinel.attach(manager)
         turn = manager.begin_turn(args.task, args.turn)
         return _supervise(turn, cmd, args.timeout, args.grace, args.reap_on_exit)
     finally:
@@ -65,39 +69,38 @@ def run(args) -> int:
 
 
 def _supervise(turn, cmd: list[str], timeout: float | None, grace: float, reap_on_exit: bool) -> int:
+    """Run CMD in the turn under a Supervisor; map its outcome to the exit status.
+
+    `--timeout` is the supervisor's inactivity timeout with no activity source, i.e. wall-clock time
+    since start (reason `timeout`); the sentinel holds it too, so a SIGSTOPped `cgturn run` still
+    loses its turn on time, and a SIGKILLed one loses it at once (`owner-died`).
+    """
     received: list[int] = []
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum)) for sig in FORWARDED}
     previous_fd = signal.set_wakeup_fd(wake_w)
     try:
+        sup = Supervisor(turn, timeout=timeout, grace=grace, on_interrupt=lambda _reason: _poke(wake_w))
         try:
             proc = turn.spawn(cmd)
         except FileNotFoundError:
-            turn.abandon("not-found", grace=0)
+            sup.stop("not-found", grace=0, interrupt=False)
             print(f"cgturn: {cmd[0]}: command not found", file=sys.stderr)
             return EXIT_NOT_FOUND
         except PermissionError:
-            turn.abandon("not-executable", grace=0)
+            sup.stop("not-executable", grace=0, interrupt=False)
             print(f"cgturn: {cmd[0]}: permission denied", file=sys.stderr)
             return EXIT_NOT_EXECUTABLE
-        code = _wait(proc, wake_r, received, timeout)
-        if code is None:
-            turn.abandon("timeout", grace=grace)
-            return EXIT_TIMEOUT
-        # CMD exited. A signal that reached us first (the same Ctrl-C, often) still abandons the turn:
-        # block further delivery, let handlers of signals already delivered run, then decide.
-        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
-        pending = signal.sigpending() & set(FORWARDED)
-        if received or pending:
-            sig = (received or sorted(pending))[0]
-            turn.abandon(f"signal:{signal.Signals(sig).name}", grace=grace)
-            return 128 + sig
-        if reap_on_exit:
-            turn.abandon("reap-on-exit", grace=grace)
-        else:
-            turn.complete()
-        return code if code >= 0 else 128 - code
+        outcome = sup.run_blocking(_worker, sup, proc, wake_r, received, reap_on_exit)
+        if outcome.completed or outcome.reason == "reap-on-exit":
+            code = outcome.result if outcome.completed else proc.returncode
+            return code if code >= 0 else 128 - code
+        if outcome.reason and outcome.reason.startswith("signal:"):
+            return 128 + signal.Signals[outcome.reason.split(":", 1)[1]]
+        if outcome.error is not None:
+            raise outcome.error
+        return EXIT_TIMEOUT
     finally:
         signal.set_wakeup_fd(previous_fd)
         for sig, handler in previous.items():
@@ -107,9 +110,34 @@ def _supervise(turn, cmd: list[str], timeout: float | None, grace: float, reap_o
         os.close(wake_w)
 
 
-def _wait(proc, wake_fd: int, received: list[int], timeout: float | None) -> int | None:
-    """Wait for CMD to exit, a forwarded signal, or the deadline. None on timeout; -1 on a signal."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+def _worker(sup, proc, wake_fd: int, received: list[int], reap_on_exit: bool) -> int | None:
+    """The supervised worker: wait for CMD; a signal to us, or --reap-on-exit, abandons the turn
+    before the worker returns (returning normally completes it)."""
+    code = _wait(proc, wake_fd, received)
+    if code is None:
+        return None  # the watchdog abandoned the turn (timeout): the outcome is already decided
+    # CMD exited. A signal that reached us first (the same Ctrl-C, often) still abandons the turn:
+    # block further delivery, let handlers of signals already delivered run, then decide.
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    pending = signal.sigpending() & set(FORWARDED)
+    if received or pending:
+        sig = (received or sorted(pending))[0]
+        sup.stop(f"signal:{signal.Signals(sig).name}", interrupt=False)
+    elif reap_on_exit:
+        sup.stop("reap-on-exit", interrupt=False)
+    return code
+
+
+def _poke(fd: int) -> None:
+    try:
+        os.write(fd, b"\0")
+    except BlockingIOError:
+        pass  # the pipe is full: the waiter is awake already
+
+
+def _wait(proc, wake_fd: int, received: list[int]) -> int | None:
+    """Wait for CMD to exit or a forwarded signal; None when the supervisor abandoned the turn first
+    (its interrupt wrote to `wake_fd`); -N when signal N reached us first."""
     pidfd = os.pidfd_open(proc.pid)
     try:
         poller = select.poll()
@@ -122,15 +150,10 @@ def _wait(proc, wake_fd: int, received: list[int], timeout: float | None) -> int
             code = proc.poll()
             if code is not None:
                 return code
-            if deadline is None:
-                wait_ms = None
-            else:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                wait_ms = max(1, int(remaining * 1000))
-            for fd, _ in poller.poll(wait_ms):
+            for fd, _ in poller.poll():
                 if fd == wake_fd:
                     os.read(wake_fd, 512)
+                    if not received:
+                        return None
     finally:
         os.close(pidfd)
