@@ -102,6 +102,7 @@ class SentinelClient:
 
     @property
     def pid(self) -> int:
+        """Pid of the sentinel process."""
         return self.process.pid
 
     def guard(self, turn, deadline: float | None = None, inactivity: float | None = None,

@@ -74,9 +74,11 @@ class Run:
 
     @property
     def owned(self) -> bool:
+        """True while the run holds markers (its worker is in flight)."""
         return self.turn is not None
 
     def markers(self) -> tuple[str | None, Any, "Supervisor | None"]:
+        """(task id, turn, supervisor), read together; all None when the run owns nothing."""
         with self._lock:
             return self.task_id, self.turn, self.supervisor
 
@@ -109,6 +111,7 @@ class Outcome:
 
     @property
     def abandoned(self) -> bool:
+        """True when the turn was abandoned (`reason` says why)."""
         return not self.completed
 
 
