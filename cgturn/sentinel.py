@@ -1,7 +1,7 @@
 """The sentinel: one helper process per TurnManager that enforces turn deadlines from outside the owner.
 
 An in-process watchdog cannot help when the owner itself is SIGSTOPped, wedged with the GIL held,
-swapping, or dead. The sentinel is a separate process (`python -m cgturn.sentinel`, its own session,
+swapping, or dead. The sentinel is a separate process (`python -m cgturn.sentinel_main`, its own session,
 stdio on /dev/null) that holds every guarded turn's hard deadline and inactivity timeout and abandons
 the turn through the same library path as the owner (a TurnManager of its own, so the atomic
 first-transition-wins rule and the audit log hold).
@@ -186,10 +186,10 @@ def _guard_message(task_id: str, turn_id: str, deadline: float | None, inactivit
 
 
 def _start_process(manager, fd: int) -> subprocess.Popen:
-    """Start `python -m cgturn.sentinel` in its own session, outside any turn, holding `fd`."""
+    """Start `python -m cgturn.sentinel_main` in its own session, outside any turn, holding `fd`."""
     me = os.getpid()
     backend = manager.backend.name
-    argv = [sys.executable, "-m", "cgturn.sentinel", "--fd", str(fd), "--owner-pid", str(me),
+    argv = [sys.executable, "-m", "cgturn.sentinel_main", "--fd", str(fd), "--owner-pid", str(me),
             "--owner-start", str(procfs.start_time(me)), "--backend", backend,
             "--state-dir", manager.state_dir]
     if backend == "cgroup2":
@@ -359,7 +359,7 @@ def _open_owner(pid: int, start: int) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cgturn.sentinel", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m cgturn.sentinel_main", description=__doc__.splitlines()[0])
     p.add_argument("--fd", type=int, required=True, help="the SOCK_SEQPACKET channel from the owner")
     p.add_argument("--owner-pid", type=int, required=True)
     p.add_argument("--owner-start", type=int, required=True)
@@ -381,6 +381,3 @@ def main(argv: list[str] | None = None) -> int:
         Sentinel(mgr, sock, args.owner_pid, args.owner_start).run()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
