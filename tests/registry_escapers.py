@@ -30,6 +30,8 @@ class Escaper:
     marker: str          # substring of the leftover processes' command lines
     leftovers: int = 1   # how many marked processes the recipe leaves running
     cleanup: list[str] | None = None  # command that undoes it (tmux kill-server)
+    log: str = "/dev/null"  # where the launcher's stderr goes
+    status: int | None = None  # the launcher's exit status once launched
 
 
 def _duration() -> str:
@@ -61,6 +63,8 @@ def recipes(tmpdir: str) -> dict[str, Escaper]:
                                         "--pidfile", pidfile, "--exec", "/bin/sleep", "--", d], d)
     d = _duration()
     out["env_cleared"] = Escaper("env_cleared", ["setsid", "-f", "env", "-i", "sleep", d], d)
+    for name, recipe in out.items():
+        recipe.log = os.path.join(tmpdir, f"launch-{name}-{secrets.token_hex(3)}.err")
     return out
 
 
@@ -88,10 +92,22 @@ def wait_for(predicate, timeout: float) -> bool:
 
 def launch(turn, esc: Escaper, timeout: float = 10.0) -> list[int]:
     """Run the recipe in `turn`, wait for the launcher to exit and the leftovers to appear."""
-    proc = turn.spawn(esc.argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    proc.wait(timeout=timeout)
+    # stderr to a file, not a pipe: the leftovers inherit it and would hold a pipe open.
+    with open(esc.log, "wb") as err:
+        proc = turn.spawn(esc.argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+    esc.status = proc.wait(timeout=timeout)
     wait_for(lambda: len(find_marked(esc.marker)) >= esc.leftovers, timeout)
     return find_marked(esc.marker)
+
+
+def explain(esc: Escaper) -> str:
+    """What the launcher said, for assertion messages."""
+    try:
+        with open(esc.log, "rb") as f:
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        text = ""
+    return f"{esc.name}: launcher exit {esc.status}, stderr {text!r}"
 
 
 def destroy(esc: Escaper) -> None:

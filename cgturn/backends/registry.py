@@ -55,8 +55,11 @@ FREEZE_PASSES = 50
 RESCAN_INTERVAL = 0.02
 # pidfds polled at once by wait_empty; the periodic re-scan covers the rest.
 MAX_POLL_FDS = 256
-# The reaper looks at its process's children at least this often (orphans arrive without notice).
+# The reaper looks at its process's children this often while orphans can arrive (a child it spawned
+# or an orphan it adopted is alive: orphans arrive without notice), and this often when idle.
 REAPER_INTERVAL = 0.05
+REAPER_IDLE_INTERVAL = 1.0
+BUSY_GRACE = 4  # quick sweeps after the last sign of activity, in intervals
 BUSY_TIMEOUT = 10.0
 
 _PR_SET_CHILD_SUBREAPER = 36  # prctl(2), Linux 3.4+
@@ -221,10 +224,12 @@ class _Database:
                 raise RegistryUnavailable(f"cannot write registry {self.path}: {err}") from err
             try:
                 yield conn
-            except BaseException:
+                conn.execute("COMMIT")
+            except BaseException as exc:
                 conn.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error):
+                    raise RegistryUnavailable(f"cannot write registry {self.path}: {exc}") from exc
                 raise
-            conn.execute("COMMIT")
 
     def read(self, sql: str, args: tuple = ()) -> list[tuple]:
         with self._lock:
@@ -362,6 +367,8 @@ class RegistryBackend(Backend):
             _note_spawned(proc.pid, started)
         if started is not None:
             self._record_process(record, proc.pid, started, argv)
+        if self._reaper is not None:
+            self._reaper.nudge()  # orphans may come from now on: look often
         return proc
 
     def adopt(self, record, pid) -> None:
@@ -414,7 +421,9 @@ class RegistryBackend(Backend):
         mine = procfs.start_time(me)
         if (me, mine) in self.recorded(record):
             return True
-        return (me, mine) in self._collect(record, _Snapshot(self.scope), protected=set())
+        # Walk through the caller's ancestors (one of them may be the member the caller descends
+        # from), but never from PID 1, whose descendants are everything.
+        return (me, mine) in self._collect(record, _Snapshot(self.scope), protected={1})
 
     # --- killing ----------------------------------------------------------------------------------
 
@@ -574,14 +583,15 @@ class _Reaper(threading.Thread):
     (waitid P_PIDFD, 5.4+), so no other exit status is taken and a recycled pid is never waited for.
     """
 
-    def __init__(self, scope: str, interval: float = REAPER_INTERVAL):
+    def __init__(self, scope: str, interval: float = REAPER_INTERVAL, idle_interval: float = REAPER_IDLE_INTERVAL):
         super().__init__(name="cgturn-reaper", daemon=True)
         self.scope = scope
-        self.interval = interval
+        self.interval, self.idle_interval = interval, idle_interval
         self.attributed: dict[Member, int] = {}   # orphan -> pidfd
         self.ignored: set[Member] = set()          # children judged not ours to reap
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._stopping = threading.Event()
+        self._busy_until = time.monotonic() + BUSY_GRACE * interval
 
     def run(self) -> None:
         try:
@@ -626,18 +636,49 @@ class _Reaper(threading.Thread):
                     self.attributed[member] = fd
             self.ignored = {m for m in self.ignored if procfs.start_time(m[0]) == m[1]}
 
+    def _busy(self) -> bool:
+        """Whether orphans can arrive: a child we spawned, or an orphan we hold, is still around.
+
+        Turn orphans reparent to us only from our own descendants, i.e. from these. Quick sweeps go
+        on for a few intervals after the last of them (or a spawn) was seen, since its orphans
+        reparented to us as it exited, possibly just after the last sweep looked.
+        """
+        if self._busy_now():
+            self._busy_until = time.monotonic() + BUSY_GRACE * self.interval
+            return True
+        return time.monotonic() < self._busy_until
+
+    def _busy_now(self) -> bool:
+        if self.attributed:
+            return True
+        me = os.getpid()
+        with _SPAWN_LOCK:
+            spawned = list(_SPAWNED.items())
+        for pid, started in spawned:
+            st = procfs.stat(pid)
+            if st is not None and st.start_time == started and st.ppid == me:
+                return True
+        return False
+
     def _sleep(self) -> None:
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
         for fd in self.attributed.values():
             poller.register(fd, select.POLLIN)
-        poller.poll(self.interval * 1000)
+        poller.poll((self.interval if self._busy() else self.idle_interval) * 1000)
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._wake_r, 4096)
+
+    def nudge(self) -> None:
+        """Wake the thread now (a process was just spawned) and keep it sweeping quickly."""
+        self._busy_until = time.monotonic() + BUSY_GRACE * self.interval
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
 
     def stop(self) -> None:
         """Stop the thread, do a last sweep, and release its pidfds."""
         self._stopping.set()
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
+        self.nudge()
         self.join(timeout=5.0)
         if not self.is_alive():
             with contextlib.suppress(Exception):

@@ -1,0 +1,442 @@
+"""The registry backend on real processes: lifecycle, escapers, identity, safety, the subreaper,
+and the fallback for real in a mount namespace where cgroup v2 is hidden.
+
+Safety: registry tests kill only processes carrying their registry's scope or a unique marker;
+the namespace tests run inside a cgroup2 turn of an outer manager, whose teardown kills anything
+that got away.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import registry_escapers as esc
+from cgturn.backends.registry import RegistryBackend, is_child_subreaper
+from cgturn.errors import TurnExists, UnsafeOperation
+from cgturn.kernel import procfs
+from cgturn.manager import TurnManager
+from cgturn.model import ABANDONED, RUNNING
+from conftest import PY, alive, kill_scope, wait_until
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+CAUGHT = ["double_fork_setsid", "setsid_f", "nohup_disown", "tmux", "ssh_agent", "start_stop_daemon"]
+IGNORE_TERM = ("import signal, sys, time\n"
+               "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+               "print('ready', flush=True)\n"
+               "time.sleep(300)\n")
+
+
+# --- fixtures ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def registry(tmp_path):
+    """Factory of registry-backed TurnManagers (own state dirs); teardown kills their processes."""
+    made: list[TurnManager] = []
+
+    def make(subreaper: bool = True) -> TurnManager:
+        state = str(tmp_path / f"registry{len(made)}")
+        mgr = TurnManager(backend="registry", state_dir=state)
+        if not subreaper:
+            mgr.backend.close()
+            mgr.backend = RegistryBackend(state, subreaper=False)
+        made.append(mgr)
+        return mgr
+
+    yield make
+    for mgr in made:
+        scope = mgr.backend.scope
+        for rec in mgr.backend.records():
+            try:
+                mgr.end_task(rec.task_id)
+            except Exception:  # noqa: BLE001 - teardown must go on
+                pass
+        mgr.close()
+        kill_scope(scope)
+
+
+@pytest.fixture
+def escapers(tmp_path):
+    """Fresh escaper recipes; whatever they leave is killed (by unique marker) at teardown."""
+    recipes = esc.recipes(str(tmp_path))
+    yield recipes
+    for recipe in recipes.values():
+        esc.destroy(recipe)
+
+
+@pytest.fixture
+def outer_turn(cgroup2_root, tmp_path):
+    """A cgroup2 turn to run namespace scenarios in: its teardown kills anything that escaped."""
+    mgr = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=str(tmp_path / "outer"))
+    turn = mgr.begin_turn("outer")
+    yield turn
+    try:
+        turn.abandon("teardown", grace=0, force=True)
+    finally:
+        mgr.close()
+
+
+def sleeper(turn, seconds: str = "300") -> subprocess.Popen:
+    return turn.spawn(["sleep", seconds], stdin=subprocess.DEVNULL)
+
+
+def dead(pid: int) -> bool:
+    return not alive(pid)
+
+
+# --- lifecycle (both backends through the `manager` fixture) --------------------------------------
+
+def test_spawn_complete_abandon_lifecycle(manager):
+    turn = manager.begin_turn("life", "t1")
+    p = sleeper(turn)
+    assert wait_until(lambda: p.pid in turn.pids())
+    assert turn.complete() is True
+    assert turn.abandon("late").skipped is True  # completed: its survivors are not killed
+    assert alive(p.pid)
+    with pytest.raises(TurnExists):  # completed with a survivor: the id stays taken
+        manager.begin_turn("life", "t1")
+
+    turn2 = manager.begin_turn("life", "t2")
+    q = sleeper(turn2)
+    result = turn2.abandon("stop", grace=1.0)
+    assert not result.skipped and q.pid in result.killed
+    assert q.wait(timeout=5) == -signal.SIGTERM
+    assert turn2.state == ABANDONED
+    assert turn2.abandon("again").skipped is True
+    assert alive(p.pid)
+
+    forced = turn.abandon("end", grace=0, force=True)
+    assert p.pid in forced.killed and p.wait(timeout=5) == -signal.SIGKILL
+    manager.begin_turn("life", "t1").complete()  # gone: the id is free again
+
+
+def test_running_turn_id_is_taken(registry):
+    mgr = registry()
+    mgr.begin_turn("task", "t")
+    with pytest.raises(TurnExists):
+        mgr.begin_turn("task", "t")
+
+
+def test_completed_turn_without_survivors_is_replaced(registry):
+    mgr = registry()
+    turn = mgr.begin_turn("task", "t")
+    p = turn.spawn(["true"])
+    p.wait(timeout=5)
+    # Bypass complete()'s own clean-up, to exercise create_turn's replacement rule.
+    mgr.backend.transition(turn.record.task_key, turn.record.turn_key, {RUNNING}, "completed", {})
+    again = mgr.begin_turn("task", "t")
+    assert again.state == RUNNING and mgr.backend.recorded(again.record) == []
+
+
+def test_scope_location_and_database(registry):
+    mgr = registry()
+    assert mgr.backend.name == "registry"
+    assert os.path.isabs(mgr.backend.scope) and mgr.backend.scope == mgr.backend.location
+    assert os.path.exists(mgr.backend.scope)
+    turn = mgr.begin_turn("task", "t")
+    p = sleeper(turn)
+    env = procfs.environ(p.pid)
+    assert env["CGTURN_SCOPE"] == mgr.backend.scope
+    assert (env["CGTURN_TASK"], env["CGTURN_TURN"]) == ("task", "t")
+    [(pid, start)] = mgr.backend.recorded(turn.record)
+    assert (pid, start) == (p.pid, procfs.start_time(p.pid))
+    journal = mgr.backend.db.read("PRAGMA journal_mode")[0][0]
+    assert journal == "wal"
+
+
+def test_usage_sums_cpu_and_rss(registry):
+    mgr = registry()
+    turn = mgr.begin_turn("task", "t")
+    sleeper(turn)
+    [info] = mgr.turns("task")
+    assert info.memory_bytes and info.memory_bytes > 0
+    assert isinstance(info.cpu_seconds, float)
+
+
+# --- escapers ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("subreaper", [True, False], ids=["subreaper", "no-subreaper"])
+@pytest.mark.parametrize("name", CAUGHT)
+def test_escaper_is_caught(registry, escapers, name, subreaper):
+    mgr = registry(subreaper=subreaper)
+    assert is_child_subreaper() is subreaper
+    turn = mgr.begin_turn("esc", name)
+    recipe = escapers[name]
+    pids = esc.launch(turn, recipe)
+    assert len(pids) == recipe.leftovers, f"left {pids}; {esc.explain(recipe)}"
+    assert set(pids) <= set(turn.pids())
+    result = turn.abandon("test", grace=0.2)
+    assert set(pids) <= set(result.killed)
+    assert wait_until(lambda: all(dead(p) for p in pids), 5)
+
+
+def test_env_cleared_escaper_is_missed(registry, escapers):
+    """Documented limit: a process that clears its environment after leaving the tree is not found."""
+    mgr = registry()
+    turn = mgr.begin_turn("esc", "cleared")
+    recipe = escapers["env_cleared"]
+    [pid] = esc.launch(turn, recipe)
+    assert pid not in turn.pids()
+    turn.abandon("test", grace=0)
+    assert alive(pid)  # esc.destroy kills it at teardown
+
+
+def test_fork_storm_ends_with_no_survivors(registry):
+    mgr = registry()
+    turn = mgr.begin_turn("storm", "t")
+    # A binary tree of forks, depth 7 (at most 255 processes), each sleeping at most 30 s.
+    storm = ("import os, time\n"
+             "deadline = time.time() + 30\n"
+             "for depth in range(7):\n"
+             "    time.sleep(0.01)\n"
+             "    if os.fork() == 0: continue\n"
+             "    if os.fork() == 0: continue\n"
+             "    break\n"
+             "time.sleep(max(0, deadline - time.time()))\n")
+    turn.spawn([PY, "-c", storm])
+    assert wait_until(lambda: len(turn.pids()) >= 20, 10)
+    result = turn.abandon("storm", grace=0)
+    assert len(result.killed) >= 20
+    scope = mgr.backend.scope
+
+    def tagged() -> list[int]:
+        return [pid for pid in procfs.all_pids() if alive(pid)
+                and (procfs.environ(pid) or {}).get("CGTURN_SCOPE") == scope]
+    assert wait_until(lambda: not tagged(), 5), tagged()
+
+
+# --- who must survive -------------------------------------------------------------------------------
+
+def test_predating_other_task_and_completed_survivors_stay_alive(registry, bystanders):
+    mgr = registry()
+    before = bystanders("sleep", "300")
+    other = sleeper(mgr.begin_turn("other-task", "t"))
+    done = mgr.begin_turn("task", "done")
+    survivor = sleeper(done)
+    done.complete()
+    turn = mgr.begin_turn("task", "live")
+    victim = sleeper(turn)
+    assert set(turn.pids()) == {victim.pid}
+    result = turn.abandon("test", grace=0)
+    assert result.killed == [victim.pid]
+    assert victim.wait(timeout=5) == -signal.SIGKILL
+    assert all(alive(p.pid) for p in (before, other, survivor))
+
+
+def test_sigterm_first_then_sigkill_after_grace(registry):
+    mgr = registry()
+    turn = mgr.begin_turn("task", "stubborn")
+    p = turn.spawn([PY, "-c", IGNORE_TERM], stdout=subprocess.PIPE)
+    assert p.stdout.readline() == b"ready\n"
+    started = time.monotonic()
+    result = turn.abandon("test", grace=0.3)
+    assert time.monotonic() - started >= 0.3
+    assert result.signals == ["SIGTERM", "SIGKILL"]
+    assert p.wait(timeout=5) == -signal.SIGKILL
+
+    polite = mgr.begin_turn("task", "polite")
+    q = sleeper(polite)
+    result = polite.abandon("test", grace=5.0)
+    assert result.signals == ["SIGTERM"] and q.wait(timeout=5) == -signal.SIGTERM
+
+
+# --- identity and safety ------------------------------------------------------------------------------
+
+def test_reused_pid_is_never_killed(registry, bystanders):
+    """A row whose start time no longer matches its pid names another process: never touched."""
+    mgr = registry()
+    turn = mgr.begin_turn("task", "reuse")
+    other = bystanders("sleep", "300")
+    mgr.backend._record_process(turn.record, other.pid, procfs.start_time(other.pid) - 1, ["sleep"])
+    assert turn.pids() == []
+    assert mgr.kill_started_since(frozenset(), "task") == 0
+    assert turn.abandon("test", grace=0.2).killed == []
+    assert alive(other.pid)
+
+
+def test_protected_pids_are_never_members_or_signalled(registry):
+    """In-process check with signal 0 (which delivers nothing), so a bug cannot hurt the host."""
+    mgr = registry()
+    turn = mgr.begin_turn("task", "protected")
+    me = os.getpid()
+    for pid in (1, os.getppid(), me):
+        mgr.backend._record_process(turn.record, pid, procfs.start_time(pid), ["protected"])
+    p = sleeper(turn)
+    assert turn.pids() == [p.pid]
+    assert mgr.backend.signal_members(turn.record, 0) == [p.pid]
+    assert mgr.backend.contains_caller(turn.record) is True
+    with pytest.raises(UnsafeOperation):
+        turn.abandon("test")
+    assert mgr.kill_started_since(frozenset(), "task") == 0  # holds the caller: skipped
+    assert alive(p.pid)
+
+
+def test_protected_pids_survive_real_kill_in_pid_namespace(outer_turn, tmp_path):
+    """Real SIGKILL path, in a private PID namespace whose PID 1 and ancestors all carry the turn's
+    environment and rows: none of them is signalled; the real member dies."""
+    state = str(tmp_path / "ns-state")
+    env = {**os.environ, "PYTHONPATH": REPO, "CGTURN_SCOPE": os.path.join(state, "registry.sqlite3"),
+           "CGTURN_TASK": "protect", "CGTURN_TURN": "t1"}
+    inner = f'{PY} {os.path.join(HERE, "registry_protect.py")} {state}; true'
+    p = outer_turn.spawn(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", f"sh -c '{inner}'; true"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err.decode()
+    report = json.loads(out.decode().strip().splitlines()[-1])
+    assert report["alive"] == {"1": True, str(report["parent"]): True, str(report["me"]): True}
+    assert report["members"] == [report["victim"]]
+    assert report["signalled"] == [report["victim"]] and report["killed"] == [report["victim"]]
+    assert report["contains_caller"] is True
+    assert report["victim_status"] == -signal.SIGKILL
+
+
+# --- compatibility with the registry cgturn replaces -------------------------------------------------
+
+def test_snapshot_and_kill_started_since(manager):
+    t1 = manager.begin_turn("A", "t1")
+    p1 = sleeper(t1)
+    other = sleeper(manager.begin_turn("B", "t1"))
+    baseline = manager.snapshot_running_ids("A")
+    assert len(baseline) == 1
+    t2 = manager.begin_turn("A", "t2")
+    p2 = sleeper(t2)
+    assert manager.snapshot_running_ids("A") > baseline
+    assert manager.kill_started_since(baseline, "A") == 1
+    assert p2.wait(timeout=5) == -signal.SIGKILL
+    assert alive(p1.pid) and alive(other.pid)
+    # Blank task ids match nothing.
+    assert manager.snapshot_running_ids("") == frozenset()
+    assert manager.snapshot_running_ids("  ") == frozenset()
+    assert manager.kill_started_since(frozenset(), " ") == 0
+    assert alive(p1.pid) and alive(other.pid)
+
+
+def test_abandoned_turn_is_not_protected_by_a_later_baseline(manager):
+    """A turn marked abandoned whose reap never ran: its process is killed whatever the baseline."""
+    old = manager.begin_turn("A", "old")
+    p = sleeper(old)
+    early = manager.snapshot_running_ids("A")  # taken while the turn still ran: contains p
+    rec = old.record
+    won, _ = manager.backend.transition(rec.task_key, rec.turn_key, {RUNNING}, ABANDONED, {"reason": "lost"})
+    assert won
+    late = manager.snapshot_running_ids("A")
+    assert late == frozenset()
+    newer = manager.begin_turn("A", "new")
+    q = sleeper(newer)
+    baseline = manager.snapshot_running_ids("A")
+    assert manager.kill_started_since(early | baseline, "A") == 1
+    assert p.wait(timeout=5) == -signal.SIGKILL
+    assert alive(q.pid)
+
+
+# --- cross-process atomicity ---------------------------------------------------------------------------
+
+def test_first_transition_wins_across_processes(registry):
+    mgr = registry(subreaper=False)
+    rec = mgr.begin_turn("race", "t").record
+    code = ("import sys\n"
+            "from cgturn.backends.registry import RegistryBackend\n"
+            "b = RegistryBackend(sys.argv[1], subreaper=False)\n"
+            "won, _ = b.transition('race', 't', {'running'}, sys.argv[2], {'reason': sys.argv[2]})\n"
+            "print(int(won))\n")
+    state = os.path.dirname(mgr.backend.scope)
+    procs = [subprocess.Popen([PY, "-c", code, state, "completed" if i % 2 else "abandoned"],
+                              stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": REPO})
+             for i in range(8)]
+    wins = [int(p.communicate(timeout=60)[0]) for p in procs]
+    assert sum(wins) == 1
+    final = mgr.backend.load(rec.task_key, rec.turn_key)
+    assert final.state == final.reason and final.state in ("completed", "abandoned")
+
+
+def test_another_process_sees_and_abandons_the_turn(registry):
+    """The CLI case: a separate process opens the same database, sees the pids and kills them."""
+    mgr = registry(subreaper=False)
+    turn = mgr.begin_turn("shared", "t")
+    p = sleeper(turn)
+    code = ("import json, sys\n"
+            "from cgturn.manager import TurnManager\n"
+            "with TurnManager(backend='registry', state_dir=sys.argv[1]) as m:\n"
+            "    pids = m.turns('shared')[0].pids\n"
+            "    r = m.turn('shared', 't').abandon('cli', grace=0)\n"
+            "    print(json.dumps([pids, r.killed]))\n")
+    out = subprocess.run([PY, "-c", code, os.path.dirname(mgr.backend.scope)], capture_output=True,
+                         timeout=60, env={**os.environ, "PYTHONPATH": REPO}, check=True).stdout
+    assert json.loads(out) == [[p.pid], [p.pid]]
+    assert p.wait(timeout=5) == -signal.SIGKILL
+    assert mgr.turns("shared") == []
+
+
+# --- the subreaper -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", ["sleep 0.3 & echo $!", "setsid -f sh -c 'echo $$; sleep 0.3'"],
+                         ids=["background", "setsid"])
+def test_subreaper_reaps_attributed_orphans(registry, recipe):
+    mgr = registry(subreaper=True)
+    turn = mgr.begin_turn("orphans", "t")
+    p = turn.spawn(["sh", "-c", recipe], stdout=subprocess.PIPE)
+    orphan = int(p.stdout.readline())
+    p.wait(timeout=5)
+    # It reparents to us (we are the subreaper), exits, and is reaped: no zombie is left.
+    assert wait_until(lambda: procfs.stat(orphan) is None or procfs.stat(orphan).ppid == os.getpid(), 5)
+    assert wait_until(lambda: procfs.stat(orphan) is None, 5), procfs.stat(orphan)
+
+
+def test_subreaper_never_steals_a_popen_exit_status(registry):
+    mgr = registry(subreaper=True)
+    turn = mgr.begin_turn("popen", "t")
+    mine = turn.spawn(["sh", "-c", "exit 7"])
+    plain = subprocess.Popen(["sh", "-c", "exit 9"])
+    for child in (mine, plain):
+        assert wait_until(lambda child=child: procfs.stat(child.pid).state == "Z", 5)
+    # Several reaper sweeps later they are still zombies waiting for their Popen.
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:
+        assert procfs.stat(mine.pid).state == "Z" and procfs.stat(plain.pid).state == "Z"
+        time.sleep(0.02)
+    assert mine.wait(timeout=5) == 7 and plain.wait(timeout=5) == 9
+
+
+def test_no_subreaper_flag_restored_on_close(tmp_path):
+    assert is_child_subreaper() is False
+    backend = RegistryBackend(str(tmp_path / "s"), subreaper=True)
+    assert is_child_subreaper() is True
+    backend.close()
+    assert is_child_subreaper() is False
+    RegistryBackend(str(tmp_path / "s"), subreaper=False).close()
+    assert is_child_subreaper() is False
+
+
+# --- the fallback, for real ----------------------------------------------------------------------------
+
+def test_fallback_in_namespace_without_cgroup2(outer_turn, tmp_path):
+    """cgroup2 hidden by a tmpfs in a private mount namespace: `auto` picks the registry, which
+    catches every escaper but the one that clears its environment after leaving the tree."""
+    state, work = tmp_path / "ns-state", tmp_path / "ns-work"
+    work.mkdir()
+    script = os.path.join(HERE, "registry_scenario.py")
+    # Private mounts only (--propagation private): the lazy unmount hides cgroup2 from mountinfo
+    # too, and the tmpfs covers the directory, so this namespace looks like a host without cgroup v2.
+    shell = (f"umount -R -l /sys/fs/cgroup 2>/dev/null; mount -t tmpfs none /sys/fs/cgroup && "
+             f"exec {PY} {script} {state} {work}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CGTURN_")}
+    env["PYTHONPATH"] = REPO
+    p = outer_turn.spawn(["unshare", "--mount", "--propagation", "private", "sh", "-c", shell],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err.decode()
+    report = json.loads(out.decode().strip().splitlines()[-1])
+    assert report["backend"] == "registry", report
+    assert any("no cgroup2" in problem for problem in report["problems"]), report["problems"]
+    for name in CAUGHT:
+        entry = report["escapers"][name]
+        assert entry["pids"] and entry["members"] == entry["pids"] and entry["dead"], (name, entry)
+    cleared = report["escapers"]["env_cleared"]
+    assert cleared["pids"] and cleared["members"] == [] and not cleared["dead"]
+    assert report["bystander_alive"] is True
