@@ -32,6 +32,10 @@ class UnsafeOperation(CgturnError):
     """A kill or freeze was refused because it would hit the caller, or lands outside the managed root."""
 
 
+class RegistryUnavailable(CgturnError):
+    """The registry database cannot be opened or written (permissions, corrupt file, full disk)."""
+
+
 class KernelError(CgturnError):
     """A cgroupfs or procfs operation failed in a way the caller cannot handle; carries path and data."""
 

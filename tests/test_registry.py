@@ -17,11 +17,12 @@ import time
 import pytest
 
 import registry_escapers as esc
-from cgturn.backends.registry import RegistryBackend, is_child_subreaper
+from cgturn.backends.reaper import is_child_subreaper
+from cgturn.backends.registry import RegistryBackend
 from cgturn.errors import TurnExists, UnsafeOperation
 from cgturn.kernel import procfs
 from cgturn.manager import TurnManager
-from cgturn.model import ABANDONED, RUNNING
+from cgturn.model import ABANDONED, RUNNING, TurnRecord
 from conftest import PY, alive, kill_scope, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -165,8 +166,8 @@ def test_usage_sums_cpu_and_rss(registry):
 @pytest.mark.parametrize("name", CAUGHT)
 def test_escaper_is_caught(registry, escapers, name, subreaper):
     mgr = registry(subreaper=subreaper)
-    assert is_child_subreaper() is subreaper
     turn = mgr.begin_turn("esc", name)
+    assert is_child_subreaper() is subreaper
     recipe = escapers[name]
     pids = esc.launch(turn, recipe)
     assert len(pids) == recipe.leftovers, f"left {pids}; {esc.explain(recipe)}"
@@ -406,6 +407,8 @@ def test_subreaper_never_steals_a_popen_exit_status(registry):
 def test_no_subreaper_flag_restored_on_close(tmp_path):
     assert is_child_subreaper() is False
     backend = RegistryBackend(str(tmp_path / "s"), subreaper=True)
+    assert is_child_subreaper() is False  # read-only use never changes where orphans go
+    backend.create_turn(TurnRecord(task_id="t", turn_id="u", task_key="t", turn_key="u"))
     assert is_child_subreaper() is True
     backend.close()
     assert is_child_subreaper() is False

@@ -114,6 +114,14 @@ class Backend(abc.ABC):
     def remove_task(self, task_key: str) -> bool:
         """Forget a task that has no turns left. False if it still has some."""
 
+    @abc.abstractmethod
+    def task_keys(self) -> list[str]:
+        """Keys of every task known here, with or without turns (reap removes the empty ones)."""
+
+    def cgroup_dir(self, record: TurnRecord) -> str | None:
+        """The turn's cgroup directory, where the backend has one (observability: ports, cpu)."""
+        return None
+
     # --- observation --------------------------------------------------------------------------------
 
     def usage(self, record: TurnRecord, pids: list[int]) -> tuple[float, int | None]:
@@ -122,6 +130,14 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release resources (threads, database connections)."""
+
+
+def turn_tag(env: dict[str, str] | None, scope: str) -> tuple[str, str] | None:
+    """(task_key, turn_key) from a process environment carrying this scope, else None."""
+    if not env or env.get(ENV_SCOPE) != scope:
+        return None
+    task, turn = env.get(ENV_TASK), env.get(ENV_TURN)
+    return (task, turn) if task and turn else None
 
 
 # --- spawn preparation shared by both backends ----------------------------------------------------

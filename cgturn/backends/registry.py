@@ -24,25 +24,22 @@ waitpid(-1) and never waits for a process this backend spawned (a Popen owns tha
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import dataclasses
 import errno
 import json
 import logging
 import os
 import select
 import signal
-import sqlite3
 import subprocess
-import threading
 import time
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
-from ..errors import CgturnError, TurnExists, translate
+from ..errors import TurnExists, translate
 from ..kernel import procfs
-from ..model import ABANDONED, COMPLETED, RUNNING, TurnRecord
-from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn
+from ..model import COMPLETED, TurnRecord
+from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, turn_tag
+from .reaper import SPAWN_LOCK, OrphanReaper, acquire_subreaper, note_spawned, release_subreaper
+from .registry_db import RegistryDatabase
 
 log = logging.getLogger("cgturn")
 
@@ -55,83 +52,7 @@ FREEZE_PASSES = 50
 RESCAN_INTERVAL = 0.02
 # pidfds polled at once by wait_empty; the periodic re-scan covers the rest.
 MAX_POLL_FDS = 256
-# The reaper looks at its process's children this often while orphans can arrive (a child it spawned
-# or an orphan it adopted is alive: orphans arrive without notice), and this often when idle.
-REAPER_INTERVAL = 0.05
-REAPER_IDLE_INTERVAL = 1.0
-BUSY_GRACE = 4  # quick sweeps after the last sign of activity, in intervals
-BUSY_TIMEOUT = 10.0
 
-_PR_SET_CHILD_SUBREAPER = 36  # prctl(2), Linux 3.4+
-_PR_GET_CHILD_SUBREAPER = 37
-
-_SQL_TYPES = {"str": "TEXT", "int": "INTEGER", "float": "REAL"}
-_KEYS = ("task_key", "turn_key")
-
-
-class RegistryUnavailable(CgturnError):
-    """The registry database cannot be opened or written (permissions, corrupt file, full disk)."""
-
-
-# --- process-wide state: the subreaper flag and the children Popen owns ---------------------------
-
-# Children spawned by any RegistryBackend of this process, pid -> start time. The reaper never waits
-# for them: their exit status belongs to the Popen that started them. The lock is held across
-# Popen() and the insert, so the reaper cannot classify a fresh child before it is listed here.
-_SPAWN_LOCK = threading.Lock()
-_SPAWNED: dict[int, int] = {}
-_SUBREAPER_LOCK = threading.Lock()
-_subreaper_users = 0
-_subreaper_was_set = False
-
-
-def _prctl(option: int, arg) -> int:
-    libc = ctypes.CDLL(None, use_errno=True)
-    rc = libc.prctl(option, arg, 0, 0, 0)
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return rc
-
-
-def is_child_subreaper() -> bool:
-    """Whether this process is a child subreaper (prctl PR_GET_CHILD_SUBREAPER)."""
-    value = ctypes.c_int(0)
-    _prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(value))
-    return bool(value.value)
-
-
-def _acquire_subreaper() -> None:
-    """Make this process a child subreaper; counted, so the last user restores the previous flag."""
-    global _subreaper_users, _subreaper_was_set
-    with _SUBREAPER_LOCK:
-        if _subreaper_users == 0:
-            _subreaper_was_set = is_child_subreaper()
-            if not _subreaper_was_set:
-                _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-        _subreaper_users += 1
-
-
-def _release_subreaper() -> None:
-    global _subreaper_users
-    with _SUBREAPER_LOCK:
-        _subreaper_users -= 1
-        if _subreaper_users == 0 and not _subreaper_was_set:
-            _prctl(_PR_SET_CHILD_SUBREAPER, 0)
-
-
-def _note_spawned(pid: int, started: int | None) -> None:
-    """Mark a direct child as Popen's (caller holds _SPAWN_LOCK); prune entries that are gone."""
-    me = os.getpid()
-    for old, old_start in list(_SPAWNED.items()):
-        st = procfs.stat(old)
-        if st is None or st.start_time != old_start or st.ppid != me:
-            del _SPAWNED[old]
-    if started is not None:
-        _SPAWNED[pid] = started
-
-
-# --- /proc snapshot -------------------------------------------------------------------------------
 
 class _Snapshot:
     """One pass over /proc: every process's stat, children by parent, and turn environments.
@@ -152,7 +73,7 @@ class _Snapshot:
             self.children.setdefault(st.ppid, []).append(pid)
             if pid == 2 or st.ppid == 2 or st.state in ("Z", "X"):
                 continue  # kernel threads have no environment; a zombie's is gone
-            tag = _turn_tag(procfs.environ(pid), scope)
+            tag = turn_tag(procfs.environ(pid), scope)
             if tag is not None:
                 self.tagged[pid] = tag
 
@@ -166,120 +87,6 @@ class _Snapshot:
         return pid, self.stats[pid].start_time
 
 
-def _turn_tag(env: dict[str, str] | None, scope: str) -> tuple[str, str] | None:
-    """(task_key, turn_key) from a process environment carrying this scope, else None."""
-    if not env or env.get(ENV_SCOPE) != scope:
-        return None
-    task, turn = env.get(ENV_TASK), env.get(ENV_TURN)
-    return (task, turn) if task and turn else None
-
-
-# --- the database ---------------------------------------------------------------------------------
-
-def _turn_columns() -> list[tuple[str, str]]:
-    """(name, SQL type) of every TurnRecord field: the turns table follows the dataclass."""
-    out = []
-    for f in dataclasses.fields(TurnRecord):
-        kind = str(f.type).split("|")[0].strip()
-        out.append((f.name, _SQL_TYPES.get(kind, "TEXT")))
-    return out
-
-
-class _Database:
-    """The registry's SQLite file: one connection per process (reopened after fork), WAL mode.
-
-    Writes run in `BEGIN IMMEDIATE` transactions, which take the database's write lock up front, so
-    a read-check-write (a state transition) cannot interleave with another process's.
-    """
-
-    def __init__(self, path: str):
-        self.path = path
-        self._lock = threading.RLock()
-        self._conn: sqlite3.Connection | None = None
-        self._conn_pid = -1
-        self.columns = [name for name, _ in _turn_columns()]
-        self._init_schema()
-
-    def _connect(self) -> sqlite3.Connection:
-        if self._conn is None or self._conn_pid != os.getpid():
-            # A connection inherited across fork must not be used by the child (sqlite docs, "howtocorrupt").
-            try:
-                conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT, isolation_level=None,
-                                       check_same_thread=False)
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute("PRAGMA synchronous=NORMAL")
-            except sqlite3.Error as err:
-                raise RegistryUnavailable(f"cannot open registry {self.path}: {err}") from err
-            self._conn, self._conn_pid = conn, os.getpid()
-        return self._conn
-
-    @contextlib.contextmanager
-    def write(self) -> Iterator[sqlite3.Connection]:
-        """A short write transaction holding the database write lock (BEGIN IMMEDIATE)."""
-        with self._lock:
-            conn = self._connect()
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-            except sqlite3.Error as err:
-                raise RegistryUnavailable(f"cannot write registry {self.path}: {err}") from err
-            try:
-                yield conn
-                conn.execute("COMMIT")
-            except BaseException as exc:
-                conn.execute("ROLLBACK")
-                if isinstance(exc, sqlite3.Error):
-                    raise RegistryUnavailable(f"cannot write registry {self.path}: {exc}") from exc
-                raise
-
-    def read(self, sql: str, args: tuple = ()) -> list[tuple]:
-        with self._lock:
-            try:
-                return self._connect().execute(sql, args).fetchall()
-            except sqlite3.Error as err:
-                raise RegistryUnavailable(f"cannot read registry {self.path}: {err}") from err
-
-    def _init_schema(self) -> None:
-        cols = ", ".join(f"{name} {kind}" for name, kind in _turn_columns())
-        with self.write() as conn:
-            conn.execute(f"CREATE TABLE IF NOT EXISTS turns ({cols}, PRIMARY KEY (task_key, turn_key))")
-            conn.execute("CREATE TABLE IF NOT EXISTS processes ("
-                         "seq INTEGER PRIMARY KEY AUTOINCREMENT, pid INTEGER NOT NULL, "
-                         "start_time INTEGER NOT NULL, task_key TEXT NOT NULL, turn_key TEXT NOT NULL, "
-                         "argv TEXT NOT NULL, UNIQUE (task_key, turn_key, pid, start_time))")
-            conn.execute("CREATE INDEX IF NOT EXISTS processes_turn ON processes (task_key, turn_key)")
-            # A database made by an older cgturn lacks columns for newer TurnRecord fields.
-            have = {row[1] for row in conn.execute("PRAGMA table_info(turns)")}
-            for name, kind in _turn_columns():
-                if name not in have:
-                    conn.execute(f"ALTER TABLE turns ADD COLUMN {name} {kind}")
-
-    # rows <-> records
-
-    def to_record(self, row: tuple) -> TurnRecord:
-        return TurnRecord(**dict(zip(self.columns, row)))
-
-    def load(self, conn, task_key: str, turn_key: str) -> TurnRecord | None:
-        row = conn.execute(f"SELECT {', '.join(self.columns)} FROM turns WHERE task_key=? AND turn_key=?",
-                           (task_key, turn_key)).fetchone()
-        return self.to_record(row) if row else None
-
-    def save(self, conn, rec: TurnRecord) -> None:
-        data = rec.to_json()
-        marks = ", ".join("?" for _ in self.columns)
-        conn.execute(f"INSERT OR REPLACE INTO turns ({', '.join(self.columns)}) VALUES ({marks})",
-                     tuple(data[name] for name in self.columns))
-
-    def forget(self, conn, task_key: str, turn_key: str) -> None:
-        conn.execute("DELETE FROM turns WHERE task_key=? AND turn_key=?", (task_key, turn_key))
-        conn.execute("DELETE FROM processes WHERE task_key=? AND turn_key=?", (task_key, turn_key))
-
-    def close(self) -> None:
-        with self._lock:
-            if self._conn is not None and self._conn_pid == os.getpid():
-                self._conn.close()
-            self._conn = None
-
-
 # --- the backend ----------------------------------------------------------------------------------
 
 class RegistryBackend(Backend):
@@ -287,8 +94,9 @@ class RegistryBackend(Backend):
 
     Args:
         state_dir: where `registry.sqlite3` lives (created if missing).
-        subreaper: make this process a child subreaper and reap the turn orphans that reparent to
-            it (default). Off, orphans go to the nearest other subreaper or PID 1.
+        subreaper: once this backend creates or adopts into a turn, make this process a child
+            subreaper and reap the turn orphans that reparent to it (default). Off, orphans go to
+            the nearest other subreaper or PID 1.
 
     Raises:
         RegistryUnavailable: the database cannot be opened.
@@ -303,11 +111,16 @@ class RegistryBackend(Backend):
         except OSError as err:
             raise translate("mkdir", state_dir, err) from err
         self.db_path = os.path.abspath(os.path.join(state_dir, DB_NAME))
-        self.db = _Database(self.db_path)
-        self._reaper: _Reaper | None = None
-        if subreaper:
-            _acquire_subreaper()
-            self._reaper = _Reaper(self.scope)
+        self.db = RegistryDatabase(self.db_path)
+        self._reaper: OrphanReaper | None = None
+        # Becoming a subreaper changes where the whole process's orphans go, so only a process that
+        # owns turns does it (on its first turn), never a read-only user such as `cgturn ps`.
+        self._wants_subreaper = subreaper
+
+    def _ensure_reaper(self) -> None:
+        if self._wants_subreaper and self._reaper is None:
+            acquire_subreaper()
+            self._reaper = OrphanReaper(self.scope)
             self._reaper.start()
 
     @property
@@ -325,6 +138,7 @@ class RegistryBackend(Backend):
     # --- records and state ------------------------------------------------------------------------
 
     def create_turn(self, record: TurnRecord) -> None:
+        self._ensure_reaper()
         with self.db.write() as conn:
             old = self.db.load(conn, record.task_key, record.turn_key)
             if old is not None:
@@ -360,11 +174,11 @@ class RegistryBackend(Backend):
 
     def spawn(self, record, argv, popen_kwargs) -> subprocess.Popen:
         argv, program, kwargs = prepare_spawn(argv, popen_kwargs, self.env_for(record))
-        with _SPAWN_LOCK:
+        with SPAWN_LOCK:
             proc = subprocess.Popen([program, *argv[1:]], **kwargs)
             # Our unreaped child: its pid cannot be recycled yet, so this start time is its own.
             started = procfs.start_time(proc.pid)
-            _note_spawned(proc.pid, started)
+            note_spawned(proc.pid, started)
         if started is not None:
             self._record_process(record, proc.pid, started, argv)
         if self._reaper is not None:
@@ -372,13 +186,14 @@ class RegistryBackend(Backend):
         return proc
 
     def adopt(self, record, pid) -> None:
+        self._ensure_reaper()
         started = procfs.start_time(pid)
         if started is None:
             raise translate("adopt", f"/proc/{pid}", ProcessLookupError(errno.ESRCH, os.strerror(errno.ESRCH)))
         st = procfs.stat(pid)
         if st is not None and st.ppid == os.getpid():
-            with _SPAWN_LOCK:  # our own child: some Popen may be waiting for it, never reap it
-                _note_spawned(pid, started)
+            with SPAWN_LOCK:  # our own child: some Popen may be waiting for it, never reap it
+                note_spawned(pid, started)
         self._record_process(record, pid, started, procfs.cmdline(pid).split(" "))
 
     def _record_process(self, record: TurnRecord, pid: int, started: int, argv: list[str]) -> None:
@@ -521,6 +336,9 @@ class RegistryBackend(Backend):
             self.db.forget(conn, record.task_key, record.turn_key)
         return True
 
+    def task_keys(self) -> list[str]:
+        return [row[0] for row in self.db.read("SELECT DISTINCT task_key FROM turns")]
+
     def remove_task(self, task_key) -> bool:
         rows = self.db.read("SELECT COUNT(*) FROM turns WHERE task_key=?", (task_key,))
         return rows[0][0] == 0
@@ -546,7 +364,7 @@ class RegistryBackend(Backend):
         if self._reaper is not None:
             self._reaper.stop()
             self._reaper = None
-            _release_subreaper()
+            release_subreaper()
         self.db.close()
 
 
@@ -573,118 +391,3 @@ def _wait_any_exit(members: list[Member], timeout: float) -> None:
             os.close(fd)
 
 
-# --- the orphan reaper ----------------------------------------------------------------------------
-
-class _Reaper(threading.Thread):
-    """Reaps orphans of this registry's turns that reparented to this (subreaper) process.
-
-    A child is attributed when it is first seen alive with this scope in its environment and is not
-    one of our Popen children. Only attributed children are ever waited for, each by its pidfd
-    (waitid P_PIDFD, 5.4+), so no other exit status is taken and a recycled pid is never waited for.
-    """
-
-    def __init__(self, scope: str, interval: float = REAPER_INTERVAL, idle_interval: float = REAPER_IDLE_INTERVAL):
-        super().__init__(name="cgturn-reaper", daemon=True)
-        self.scope = scope
-        self.interval, self.idle_interval = interval, idle_interval
-        self.attributed: dict[Member, int] = {}   # orphan -> pidfd
-        self.ignored: set[Member] = set()          # children judged not ours to reap
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._stopping = threading.Event()
-        self._busy_until = time.monotonic() + BUSY_GRACE * interval
-
-    def run(self) -> None:
-        try:
-            while not self._stopping.is_set():
-                self.sweep()
-                self._sleep()
-        except Exception:  # noqa: BLE001 - a dying reaper must say why, not vanish
-            log.exception("cgturn reaper thread failed")
-
-    def sweep(self) -> None:
-        """Attribute new orphans among our children, then reap attributed ones that exited."""
-        self._attribute()
-        for member, fd in list(self.attributed.items()):
-            try:
-                done = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
-            except ChildProcessError:
-                done = True  # someone else reaped it (or it was never ours): forget it
-            if done is not None:
-                os.close(fd)
-                del self.attributed[member]
-
-    def _attribute(self) -> None:
-        me = os.getpid()
-        with _SPAWN_LOCK:
-            for pid in procfs.all_pids():
-                st = procfs.stat(pid)
-                if st is None or st.ppid != me:
-                    continue
-                member = (pid, st.start_time)
-                if member in self.attributed or member in self.ignored or _SPAWNED.get(pid) == st.start_time:
-                    continue
-                if st.state in ("Z", "X"):
-                    # Exited before we saw it alive: its environment is gone, so we cannot know
-                    # whose it is, and it may be a child some Popen will wait for.
-                    self.ignored.add(member)
-                    continue
-                if _turn_tag(procfs.environ(pid), self.scope) is None:
-                    self.ignored.add(member)
-                    continue
-                fd = procfs.open_pidfd(pid, st.start_time)
-                if fd is not None:
-                    self.attributed[member] = fd
-            self.ignored = {m for m in self.ignored if procfs.start_time(m[0]) == m[1]}
-
-    def _busy(self) -> bool:
-        """Whether orphans can arrive: a child we spawned, or an orphan we hold, is still around.
-
-        Turn orphans reparent to us only from our own descendants, i.e. from these. Quick sweeps go
-        on for a few intervals after the last of them (or a spawn) was seen, since its orphans
-        reparented to us as it exited, possibly just after the last sweep looked.
-        """
-        if self._busy_now():
-            self._busy_until = time.monotonic() + BUSY_GRACE * self.interval
-            return True
-        return time.monotonic() < self._busy_until
-
-    def _busy_now(self) -> bool:
-        if self.attributed:
-            return True
-        me = os.getpid()
-        with _SPAWN_LOCK:
-            spawned = list(_SPAWNED.items())
-        for pid, started in spawned:
-            st = procfs.stat(pid)
-            if st is not None and st.start_time == started and st.ppid == me:
-                return True
-        return False
-
-    def _sleep(self) -> None:
-        poller = select.poll()
-        poller.register(self._wake_r, select.POLLIN)
-        for fd in self.attributed.values():
-            poller.register(fd, select.POLLIN)
-        poller.poll((self.interval if self._busy() else self.idle_interval) * 1000)
-        with contextlib.suppress(BlockingIOError):
-            os.read(self._wake_r, 4096)
-
-    def nudge(self) -> None:
-        """Wake the thread now (a process was just spawned) and keep it sweeping quickly."""
-        self._busy_until = time.monotonic() + BUSY_GRACE * self.interval
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
-
-    def stop(self) -> None:
-        """Stop the thread, do a last sweep, and release its pidfds."""
-        self._stopping.set()
-        self.nudge()
-        self.join(timeout=5.0)
-        if not self.is_alive():
-            with contextlib.suppress(Exception):
-                self.sweep()
-            for fd in self.attributed.values():
-                os.close(fd)
-            self.attributed.clear()
-            os.close(self._wake_r)
-            os.close(self._wake_w)

@@ -1,0 +1,203 @@
+"""The child subreaper of the registry backend, and the thread that reaps the orphans it inherits.
+
+prctl(2) PR_SET_CHILD_SUBREAPER (3.4+) makes orphans of turn processes reparent to this process
+instead of PID 1, so they stay visible; a daemon thread reaps those it attributed to a turn (by the
+turn environment they carried while alive). It never calls waitpid(-1) and never waits for a process
+a Popen of ours started: that exit status belongs to the Popen.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import select
+import threading
+import time
+
+from ..kernel import procfs
+from .base import Member, turn_tag
+
+log = logging.getLogger("cgturn")
+
+# The reaper looks at its process's children this often while orphans can arrive (a child it spawned
+# or an orphan it adopted is alive: orphans arrive without notice), and this often when idle.
+REAPER_INTERVAL = 0.05
+REAPER_IDLE_INTERVAL = 1.0
+BUSY_GRACE = 4  # quick sweeps after the last sign of activity, in intervals
+
+_PR_SET_CHILD_SUBREAPER = 36  # prctl(2), Linux 3.4+
+_PR_GET_CHILD_SUBREAPER = 37
+
+
+# --- process-wide state: the subreaper flag and the children Popen owns ---------------------------
+
+# Children spawned by any RegistryBackend of this process, pid -> start time. The reaper never waits
+# for them: their exit status belongs to the Popen that started them. The lock is held across
+# Popen() and the insert, so the reaper cannot classify a fresh child before it is listed here.
+SPAWN_LOCK = threading.Lock()
+_SPAWNED: dict[int, int] = {}
+_SUBREAPER_LOCK = threading.Lock()
+_subreaper_users = 0
+_subreaper_was_set = False
+
+
+def _prctl(option: int, arg) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.prctl(option, arg, 0, 0, 0)
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return rc
+
+
+def is_child_subreaper() -> bool:
+    """Whether this process is a child subreaper (prctl PR_GET_CHILD_SUBREAPER)."""
+    value = ctypes.c_int(0)
+    _prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(value))
+    return bool(value.value)
+
+
+def acquire_subreaper() -> None:
+    """Make this process a child subreaper; counted, so the last user restores the previous flag."""
+    global _subreaper_users, _subreaper_was_set
+    with _SUBREAPER_LOCK:
+        if _subreaper_users == 0:
+            _subreaper_was_set = is_child_subreaper()
+            if not _subreaper_was_set:
+                _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        _subreaper_users += 1
+
+
+def release_subreaper() -> None:
+    global _subreaper_users
+    with _SUBREAPER_LOCK:
+        _subreaper_users -= 1
+        if _subreaper_users == 0 and not _subreaper_was_set:
+            _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+
+
+def note_spawned(pid: int, started: int | None) -> None:
+    """Mark a direct child as Popen's (caller holds SPAWN_LOCK); prune entries that are gone."""
+    me = os.getpid()
+    for old, old_start in list(_SPAWNED.items()):
+        st = procfs.stat(old)
+        if st is None or st.start_time != old_start or st.ppid != me:
+            del _SPAWNED[old]
+    if started is not None:
+        _SPAWNED[pid] = started
+
+
+class OrphanReaper(threading.Thread):
+    """Reaps orphans of this registry's turns that reparented to this (subreaper) process.
+
+    A child is attributed when it is first seen alive with this scope in its environment and is not
+    one of our Popen children. Only attributed children are ever waited for, each by its pidfd
+    (waitid P_PIDFD, 5.4+), so no other exit status is taken and a recycled pid is never waited for.
+    """
+
+    def __init__(self, scope: str, interval: float = REAPER_INTERVAL, idle_interval: float = REAPER_IDLE_INTERVAL):
+        super().__init__(name="cgturn-reaper", daemon=True)
+        self.scope = scope
+        self.interval, self.idle_interval = interval, idle_interval
+        self.attributed: dict[Member, int] = {}   # orphan -> pidfd
+        self.ignored: set[Member] = set()          # children judged not ours to reap
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._stopping = threading.Event()
+        self._busy_until = time.monotonic() + BUSY_GRACE * interval
+
+    def run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self.sweep()
+                self._sleep()
+        except Exception:  # noqa: BLE001 - a dying reaper must say why, not vanish
+            log.exception("cgturn reaper thread failed")
+
+    def sweep(self) -> None:
+        """Attribute new orphans among our children, then reap attributed ones that exited."""
+        self._attribute()
+        for member, fd in list(self.attributed.items()):
+            try:
+                done = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
+            except ChildProcessError:
+                done = True  # someone else reaped it (or it was never ours): forget it
+            if done is not None:
+                os.close(fd)
+                del self.attributed[member]
+
+    def _attribute(self) -> None:
+        me = os.getpid()
+        with SPAWN_LOCK:
+            for pid in procfs.all_pids():
+                st = procfs.stat(pid)
+                if st is None or st.ppid != me:
+                    continue
+                member = (pid, st.start_time)
+                if member in self.attributed or member in self.ignored or _SPAWNED.get(pid) == st.start_time:
+                    continue
+                if st.state in ("Z", "X"):
+                    # Exited before we saw it alive: its environment is gone, so we cannot know
+                    # whose it is, and it may be a child some Popen will wait for.
+                    self.ignored.add(member)
+                    continue
+                if turn_tag(procfs.environ(pid), self.scope) is None:
+                    self.ignored.add(member)
+                    continue
+                fd = procfs.open_pidfd(pid, st.start_time)
+                if fd is not None:
+                    self.attributed[member] = fd
+            self.ignored = {m for m in self.ignored if procfs.start_time(m[0]) == m[1]}
+
+    def _busy(self) -> bool:
+        """Whether orphans can arrive: a child we spawned, or an orphan we hold, is still around.
+
+        Turn orphans reparent to us only from our own descendants, i.e. from these. Quick sweeps go
+        on for a few intervals after the last of them (or a spawn) was seen, since its orphans
+        reparented to us as it exited, possibly just after the last sweep looked.
+        """
+        if self._busy_now():
+            self._busy_until = time.monotonic() + BUSY_GRACE * self.interval
+            return True
+        return time.monotonic() < self._busy_until
+
+    def _busy_now(self) -> bool:
+        if self.attributed:
+            return True
+        me = os.getpid()
+        with SPAWN_LOCK:
+            spawned = list(_SPAWNED.items())
+        for pid, started in spawned:
+            st = procfs.stat(pid)
+            if st is not None and st.start_time == started and st.ppid == me:
+                return True
+        return False
+
+    def _sleep(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        for fd in self.attributed.values():
+            poller.register(fd, select.POLLIN)
+        poller.poll((self.interval if self._busy() else self.idle_interval) * 1000)
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._wake_r, 4096)
+
+    def nudge(self) -> None:
+        """Wake the thread now (a process was just spawned) and keep it sweeping quickly."""
+        self._busy_until = time.monotonic() + BUSY_GRACE * self.interval
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def stop(self) -> None:
+        """Stop the thread, do a last sweep, and release its pidfds."""
+        self._stopping.set()
+        self.nudge()
+        self.join(timeout=5.0)
+        if not self.is_alive():
+            with contextlib.suppress(Exception):
+                self.sweep()
+            for fd in self.attributed.values():
+                os.close(fd)
+            self.attributed.clear()
+            os.close(self._wake_r)
+            os.close(self._wake_w)

@@ -1,0 +1,123 @@
+"""The registry's SQLite file: turn records and the processes spawned or adopted into turns.
+
+One connection per process (reopened after fork), WAL mode, short `BEGIN IMMEDIATE` transactions, so
+the owner, a sentinel and the CLI can share it and a state transition cannot interleave with another.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sqlite3
+import threading
+from typing import Iterator
+
+from ..errors import RegistryUnavailable
+from ..model import TurnRecord
+
+BUSY_TIMEOUT = 10.0
+_SQL_TYPES = {"str": "TEXT", "int": "INTEGER", "float": "REAL"}
+
+
+def _turn_columns() -> list[tuple[str, str]]:
+    """(name, SQL type) of every TurnRecord field: the turns table follows the dataclass."""
+    out = []
+    for f in dataclasses.fields(TurnRecord):
+        kind = str(f.type).split("|")[0].strip()
+        out.append((f.name, _SQL_TYPES.get(kind, "TEXT")))
+    return out
+
+
+class RegistryDatabase:
+    """The registry's SQLite file: one connection per process (reopened after fork), WAL mode.
+
+    Writes run in `BEGIN IMMEDIATE` transactions, which take the database's write lock up front, so
+    a read-check-write (a state transition) cannot interleave with another process's.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._lock = threading.RLock()
+        self._conn: sqlite3.Connection | None = None
+        self._conn_pid = -1
+        self.columns = [name for name, _ in _turn_columns()]
+        self._init_schema()
+
+    def _connect(self) -> sqlite3.Connection:
+        if self._conn is None or self._conn_pid != os.getpid():
+            # A connection inherited across fork must not be used by the child (sqlite docs, "howtocorrupt").
+            try:
+                conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT, isolation_level=None,
+                                       check_same_thread=False)
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
+            except sqlite3.Error as err:
+                raise RegistryUnavailable(f"cannot open registry {self.path}: {err}") from err
+            self._conn, self._conn_pid = conn, os.getpid()
+        return self._conn
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[sqlite3.Connection]:
+        """A short write transaction holding the database write lock (BEGIN IMMEDIATE)."""
+        with self._lock:
+            conn = self._connect()
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as err:
+                raise RegistryUnavailable(f"cannot write registry {self.path}: {err}") from err
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException as exc:
+                conn.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error):
+                    raise RegistryUnavailable(f"cannot write registry {self.path}: {exc}") from exc
+                raise
+
+    def read(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._lock:
+            try:
+                return self._connect().execute(sql, args).fetchall()
+            except sqlite3.Error as err:
+                raise RegistryUnavailable(f"cannot read registry {self.path}: {err}") from err
+
+    def _init_schema(self) -> None:
+        cols = ", ".join(f"{name} {kind}" for name, kind in _turn_columns())
+        with self.write() as conn:
+            conn.execute(f"CREATE TABLE IF NOT EXISTS turns ({cols}, PRIMARY KEY (task_key, turn_key))")
+            conn.execute("CREATE TABLE IF NOT EXISTS processes ("
+                         "seq INTEGER PRIMARY KEY AUTOINCREMENT, pid INTEGER NOT NULL, "
+                         "start_time INTEGER NOT NULL, task_key TEXT NOT NULL, turn_key TEXT NOT NULL, "
+                         "argv TEXT NOT NULL, UNIQUE (task_key, turn_key, pid, start_time))")
+            conn.execute("CREATE INDEX IF NOT EXISTS processes_turn ON processes (task_key, turn_key)")
+            # A database made by an older cgturn lacks columns for newer TurnRecord fields.
+            have = {row[1] for row in conn.execute("PRAGMA table_info(turns)")}
+            for name, kind in _turn_columns():
+                if name not in have:
+                    conn.execute(f"ALTER TABLE turns ADD COLUMN {name} {kind}")
+
+    # rows <-> records
+
+    def to_record(self, row: tuple) -> TurnRecord:
+        return TurnRecord(**dict(zip(self.columns, row)))
+
+    def load(self, conn, task_key: str, turn_key: str) -> TurnRecord | None:
+        row = conn.execute(f"SELECT {', '.join(self.columns)} FROM turns WHERE task_key=? AND turn_key=?",
+                           (task_key, turn_key)).fetchone()
+        return self.to_record(row) if row else None
+
+    def save(self, conn, rec: TurnRecord) -> None:
+        data = rec.to_json()
+        marks = ", ".join("?" for _ in self.columns)
+        conn.execute(f"INSERT OR REPLACE INTO turns ({', '.join(self.columns)}) VALUES ({marks})",
+                     tuple(data[name] for name in self.columns))
+
+    def forget(self, conn, task_key: str, turn_key: str) -> None:
+        conn.execute("DELETE FROM turns WHERE task_key=? AND turn_key=?", (task_key, turn_key))
+        conn.execute("DELETE FROM processes WHERE task_key=? AND turn_key=?", (task_key, turn_key))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None and self._conn_pid == os.getpid():
+                self._conn.close()
+            self._conn = None
