@@ -7,6 +7,7 @@ write one audit record.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -159,13 +160,13 @@ class TurnManager:
             out.append(TurnInfo(task=rec.task_id, turn=rec.turn_id, state=rec.state, pids=pids,
                                 owner_pid=rec.owner_pid, started_at=rec.started_at, reason=rec.reason,
                                 cpu_seconds=cpu, memory_bytes=mem, ports=ports,
-                                path=self.backend.location))
+                                path=self.backend.cgroup_dir(rec) or self.backend.location))
         out.sort(key=lambda info: (info.started_at, info.task, info.turn))
         return out
 
     def _ports(self, rec: TurnRecord, pids: list[int], sockets):
         """(listening ports of the turn, the sock_diag dump to reuse; False once it proved unusable)."""
-        cgroup_dir = self._cgroup_dir(rec)
+        cgroup_dir = self.backend.cgroup_dir(rec)
         if cgroup_dir is None or sockets is False:
             return observe.ports_of_pids(pids), sockets
         if sockets is None:
@@ -175,11 +176,6 @@ class TurnManager:
                 log.info("ports via psutil: %s", err)
                 return observe.ports_of_pids(pids), False
         return observe.ports_in_cgroups(sockets, observe.cgroup_ids(cgroup_dir)), sockets
-
-    def _cgroup_dir(self, rec: TurnRecord) -> str | None:
-        """The turn's cgroup directory on the cgroup2 backend; None on the registry."""
-        turn_cgroup = getattr(self.backend, "turn_cgroup", None)
-        return turn_cgroup(rec.task_key, rec.turn_key).path if turn_cgroup else None
 
     def end_task(self, task_id: str, reason: str = "end-task") -> AbandonResult:
         """Kill everything the task owns, completed turns' survivors included, and remove its turns.
@@ -245,6 +241,9 @@ class TurnManager:
             except CgturnError as err:
                 # One turn that cannot be handled (e.g. it holds the caller) must not stop the rest.
                 actions.append({"action": "error", "task": rec.task_id, "turn": rec.turn_id, "error": str(err)})
+        for task_key in self.backend.task_keys():  # tasks whose last turn went away
+            if not self.backend.records(task_key):
+                self.backend.remove_task(task_key)
         return actions
 
     def _reap_one(self, rec: TurnRecord) -> list[dict]:
@@ -429,7 +428,11 @@ class Turn:
         """
         if grace < 0:
             raise ValueError("grace must be >= 0")
-        return self._manager._abandon(self._record.task_key, self._record.turn_key, reason, grace, force)
+        result = self._manager._abandon(self._record.task_key, self._record.turn_key, reason, grace, force)
+        if not result.skipped:
+            # The turn's record is removed with it; keep what we know so .state/.reason stay true.
+            self._record = dataclasses.replace(self._record, state=ABANDONED, reason=reason)
+        return result
 
 
 def _sentinel_setting(value: bool | None) -> bool:

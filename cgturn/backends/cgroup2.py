@@ -187,7 +187,10 @@ class Cgroup2Backend(Backend):
             os.close(pidfd)
 
     def adopt(self, record, pid) -> None:
-        self._cg(record).move_in(pid)
+        try:
+            self._cg(record).move_in(pid)
+        except FileNotFoundError:
+            raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} no longer exists") from None
 
     def members(self, record) -> list[Member]:
         out = []
@@ -301,6 +304,12 @@ class Cgroup2Backend(Backend):
             return False
         self.meta.forget(cg)
         return True
+
+    def task_keys(self) -> list[str]:
+        return [cg.name for cg in self.root.children()]
+
+    def cgroup_dir(self, record) -> str:
+        return self._cg(record).path
 
     def remove_task(self, task_key) -> bool:
         task = self.root.child(task_key)

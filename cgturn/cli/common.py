@@ -69,6 +69,14 @@ def non_negative_seconds(text: str) -> float:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    """An argparse `type` for a timeout in seconds: a finite number > 0."""
+    value = non_negative_seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
+    return value
+
+
 def make_manager(args, recover: bool = False):
     from ..manager import TurnManager
     return TurnManager(root=args.root, backend=args.backend, state_dir=args.state_dir, recover=recover)

@@ -27,30 +27,13 @@ def register(sub) -> None:
     p = sub.add_parser("run", help="run a command as a new turn")
     p.add_argument("--task", default=DEFAULT_TASK, help=f"task id (default {DEFAULT_TASK!r})")
     p.add_argument("--turn", help="turn id (default: a fresh one)")
-    p.add_argument("--timeout", type=_positive, help="abandon the turn after S seconds (exit 124)")
-    p.add_argument("--grace", type=_non_negative, default=2.0,
+    p.add_argument("--timeout", type=common.positive_seconds, help="abandon the turn after S seconds (exit 124)")
+    p.add_argument("--grace", type=common.non_negative_seconds, default=2.0,
                    help="seconds between SIGTERM and SIGKILL when abandoning (default 2)")
     p.add_argument("--reap-on-exit", action="store_true",
                    help="abandon the turn when CMD exits, killing what it left running")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
     p.set_defaults(handler=run)
-
-
-def _positive(text: str) -> float:
-    value = _non_negative(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0: {text!r}")
-    return value
 
 
 def run(args) -> int:

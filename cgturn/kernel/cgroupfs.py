@@ -5,7 +5,10 @@ Errors carry the path and the data written. Each operation decides its errnos ex
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
+import functools
 import os
 import select
 import time
@@ -81,10 +84,16 @@ class Cgroup:
             raise translate("read", path, err) from err
 
     def write(self, name: str, data: str) -> None:
-        """Write `data` to an interface file in one write(2), as the kernel expects."""
+        """Write `data` to an interface file in one write(2), as the kernel expects.
+
+        Raises FileNotFoundError when the cgroup is gone (callers decide what that means), else the
+        translated cgturn error with path and data.
+        """
         path = self.file(name)
         try:
             fd = os.open(path, os.O_WRONLY)
+        except FileNotFoundError:
+            raise
         except OSError as err:
             raise translate("open", path, err, data) from err
         try:
@@ -272,15 +281,18 @@ class Cgroup:
 
 
 def is_cgroup2(path: str) -> bool:
-    """True if `path` lies on a cgroup2 filesystem (statfs magic CGROUP2_SUPER_MAGIC)."""
-    import ctypes
-    import ctypes.util
-
-    class _StatFs(ctypes.Structure):
-        _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_byte * 120)]
-
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    """True if `path` lies on a cgroup2 filesystem (statfs(2) magic CGROUP2_SUPER_MAGIC)."""
     buf = _StatFs()
-    if libc.statfs(os.fsencode(path), ctypes.byref(buf)) != 0:
+    if _libc().statfs(os.fsencode(path), ctypes.byref(buf)) != 0:
         return False
     return buf.f_type & 0xFFFFFFFF == CGROUP2_SUPER_MAGIC
+
+
+class _StatFs(ctypes.Structure):
+    # struct statfs begins with f_type (__fsword_t, a long); the rest is only room for the kernel.
+    _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_byte * 120)]
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

@@ -49,6 +49,9 @@ def find_cgroup2_mount(env: dict[str, str] | None = None) -> tuple[str | None, s
             mounts = parsers.parse_mountinfo_cgroup2(f.read())
     except OSError:
         return None, None
+    # A cgroup2 mount hidden under a later mount (tmpfs over /sys/fs/cgroup) is still listed in
+    # mountinfo; statfs tells whether the path really shows cgroup2 now.
+    mounts = [(point, fsroot) for point, fsroot in mounts if is_cgroup2(point)]
     for candidate in CANDIDATE_MOUNTS:
         for point, fsroot in mounts:
             if point == candidate:
