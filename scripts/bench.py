@@ -1,0 +1,410 @@
+#!/usr/bin/env python3
+"""cgturn benchmark suite: every row measured side by side in one run, printed as one table.
+
+Rows: abandon latency for trees of 1..1000 processes (raw kernel floor, cgroup2 backend, registry
+backend, psutil tree-kill recipe); escapers caught by each; spawn cost (Turn.spawn vs plain Popen);
+turn churn (begin + spawn + complete per second); listing 1000 turns (library and `cgturn ps --json`).
+
+Everything lives in one managed root `<cgroup2 mount>/cgturn-bench-<random>` (and a temporary state
+directory), removed at the end, on errors and on Ctrl-C/SIGTERM. Run as root:
+
+    python3 scripts/bench.py [--rounds 3] [--sizes 1,10,100,500,1000] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import os
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # tests/escapers.py: the real escapers
+
+import psutil  # noqa: E402
+
+from cgturn.kernel import discovery  # noqa: E402
+from bench_abandon import _dead  # noqa: E402  (zombie or gone: the psutil recipe's "dead")
+from cgturn.manager import TurnManager  # noqa: E402
+
+SHIM = 'echo $$ > "$0" || exit 125; exec "$@"'
+
+
+def tree_argv(n: int) -> list[str]:
+    """A tree of exactly n processes: `sh` and n-1 sleeping children (n=1: one sleep)."""
+    if n == 1:
+        return ["sleep", "300"]
+    return ["sh", "-c", f"i=1; while [ $i -lt {n} ]; do sleep 300 & i=$((i+1)); done; wait"]
+
+
+def wait_count(count, n: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while count() < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tree of {n} did not come up")
+        time.sleep(0.005)
+
+
+def ms(seconds: float) -> float:
+    return seconds * 1000
+
+
+# --- the raw kernel floor: no cgturn code at all ----------------------------------------------------
+
+def read_events(fd: int) -> dict[str, int]:
+    text = os.pread(fd, 4096, 0).decode()
+    return {k: int(v) for k, v in (line.split() for line in text.splitlines())}
+
+
+def floor_abandon(parent: str, n: int) -> float:
+    """mkdir + cgroup.procs (shim) + tree; timed: cgroup.kill + wait for populated 0 + rmdir."""
+    path = os.path.join(parent, f"floor-{uuid.uuid4().hex[:8]}")
+    os.mkdir(path)
+    proc = subprocess.Popen(["/bin/sh", "-c", SHIM, os.path.join(path, "cgroup.procs"), *tree_argv(n)])
+    wait_count(lambda: len(open(os.path.join(path, "cgroup.procs")).read().split()), n)
+    events = os.open(os.path.join(path, "cgroup.events"), os.O_RDONLY)
+    poller = select.poll()
+    poller.register(events, select.POLLPRI)
+    t0 = time.perf_counter()
+    with open(os.path.join(path, "cgroup.kill"), "w") as f:
+        f.write("1")
+    while read_events(events).get("populated", 1):
+        poller.poll(1)  # the kernel rate-limits the notification: re-read at least every ms
+    while True:
+        try:
+            os.rmdir(path)
+            break
+        except OSError as err:
+            if err.errno != errno.EBUSY:
+                raise
+    elapsed = time.perf_counter() - t0
+    os.close(events)
+    proc.wait()
+    return elapsed
+
+
+# --- cgturn backends and the psutil recipe ----------------------------------------------------------
+
+def cgturn_abandon(mgr: TurnManager, n: int) -> float:
+    turn = mgr.begin_turn("bench-abandon")
+    proc = turn.spawn(tree_argv(n))
+    wait_count(lambda: len(turn.pids()), n)
+    t0 = time.perf_counter()
+    result = turn.abandon("bench", grace=0)
+    elapsed = time.perf_counter() - t0
+    proc.wait()
+    if len(result.killed) != n:
+        raise RuntimeError(f"{mgr.backend.name}: killed {len(result.killed)} of {n}")
+    return elapsed
+
+
+def psutil_recipe(mgr: TurnManager, n: int) -> tuple[float, float]:
+    """children(recursive=True) + kill + wait_procs on a tree that runs in a (cleanup-only) turn.
+
+    Returns (seconds until every victim is dead, seconds until wait_procs returned).
+    """
+    turn = mgr.begin_turn("bench-psutil")
+    proc = turn.spawn(tree_argv(n))
+    wait_count(lambda: len(turn.pids()), n)
+    t0 = time.perf_counter()
+    parent = psutil.Process(proc.pid)
+    victims = parent.children(recursive=True) + [parent]
+    for p in victims:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    while not all(_dead(p) for p in victims):
+        pass
+    dead = time.perf_counter() - t0
+    psutil.wait_procs(victims, timeout=60)   # as written, it also waits for PID 1 to reap orphans
+    reaped = time.perf_counter() - t0
+    proc.wait()
+    turn.abandon("bench-cleanup", grace=0)
+    return dead, reaped
+
+
+def registry_manager(state_root: str) -> TurnManager:
+    # Opened per measurement and closed after: the registry makes this process a child subreaper,
+    # which would otherwise change where the other rows' orphans go.
+    return TurnManager(backend="registry", state_dir=os.path.join(state_root, "registry"))
+
+
+def abandon_rows(root_mgr: TurnManager, floor_dir: str, state_root: str, sizes: list[int],
+                 rounds: int) -> list[dict]:
+    rows = []
+    for n in sizes:
+        got = {"floor": [], "cgroup2": [], "registry": [], "psutil dead": [], "psutil wait_procs": []}
+        for _ in range(rounds):
+            got["floor"].append(floor_abandon(floor_dir, n))
+            got["cgroup2"].append(cgturn_abandon(root_mgr, n))
+            with registry_manager(state_root) as reg:
+                got["registry"].append(cgturn_abandon(reg, n))
+            dead, reaped = psutil_recipe(root_mgr, n)
+            got["psutil dead"].append(dead)
+            got["psutil wait_procs"].append(reaped)
+        rows.append({"n": n, **{k: ms(statistics.median(v)) for k, v in got.items()}})
+        print(f"  abandon n={n} done", file=sys.stderr, flush=True)
+    return rows
+
+
+# --- escapers ------------------------------------------------------------------------------------
+
+class _Recording:
+    """A turn stand-in that records the launcher processes an escaper starts (for the psutil row)."""
+
+    def __init__(self, turn):
+        self.turn, self.launched = turn, []
+
+    def spawn(self, argv, **kw):
+        p = self.turn.spawn(argv, **kw)
+        self.launched.append(p.pid)
+        return p
+
+
+def _gone(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or _dead(psutil.Process(pid)):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _caught_by_cgturn(mgr: TurnManager, start, cleanup) -> bool:
+    """Start one escaper in a turn, abandon the turn: True if the escaped daemon died."""
+    with tempfile.TemporaryDirectory() as work:
+        try:
+            turn = mgr.begin_turn("bench-escape")
+            pid = start(turn, work)
+            turn.abandon("bench", grace=0)
+            return _gone(pid)
+        finally:
+            cleanup(work)
+            mgr.end_task("bench-escape")
+
+
+def escaper_rows(root_mgr: TurnManager, state_root: str) -> dict[str, tuple[int, int]]:
+    import escapers
+
+    caught = {"cgroup2": 0, "registry": 0, "psutil": 0}
+    total = len(escapers.ESCAPERS)
+    for start in escapers.ESCAPERS.values():
+        caught["cgroup2"] += _caught_by_cgturn(root_mgr, start, escapers.cleanup)
+        with registry_manager(state_root) as reg:
+            caught["registry"] += _caught_by_cgturn(reg, start, escapers.cleanup)
+        with tempfile.TemporaryDirectory() as work:
+            turn = root_mgr.begin_turn("bench-escape")
+            try:
+                rec = _Recording(turn)
+                pid = start(rec, work)
+                for launcher in rec.launched:   # the recipe, applied to what we started
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        parent = psutil.Process(launcher)
+                        for p in parent.children(recursive=True) + [parent]:
+                            with contextlib.suppress(psutil.NoSuchProcess):
+                                p.kill()
+                caught["psutil"] += _gone(pid, timeout=0.5)
+            finally:
+                escapers.cleanup(work)
+                turn.abandon("bench-cleanup", grace=0)
+    return {k: (v, total) for k, v in caught.items()}
+
+
+# --- spawn cost, churn, listing --------------------------------------------------------------------
+
+def spawn_rows(root_mgr: TurnManager, state_root: str, count: int) -> dict[str, float]:
+    """Median ms per call (start to return) and per start+exit, alternating the methods."""
+    turn = root_mgr.begin_turn("bench-spawn")
+    procs_file = os.path.join(root_mgr.backend.root.path, turn.record.task_key, turn.record.turn_key,
+                              "cgroup.procs")
+
+    def join():
+        with open(procs_file, "w") as f:
+            f.write("0")
+
+    with registry_manager(state_root) as reg:
+        rturn = reg.begin_turn("bench-spawn")
+        methods = {
+            "Popen": lambda: subprocess.Popen(["/bin/true"]),
+            "Turn.spawn cgroup2": lambda: turn.spawn(["/bin/true"]),
+            "Turn.spawn registry": lambda: rturn.spawn(["/bin/true"]),
+            "sh shim joining, no handshake (reference)": lambda: subprocess.Popen(
+                ["/bin/sh", "-c", SHIM, procs_file, "/bin/true"]),
+            "Popen preexec_fn join (reference; not thread-safe)": lambda: subprocess.Popen(
+                ["/bin/true"], preexec_fn=join),
+        }
+        calls = {k: [] for k in methods}
+        cycles = {k: [] for k in methods}
+        for _ in range(count):
+            for name, start in methods.items():
+                t0 = time.perf_counter()
+                p = start()
+                t1 = time.perf_counter()
+                p.wait()
+                t2 = time.perf_counter()
+                calls[name].append(t1 - t0)
+                cycles[name].append(t2 - t0)
+        rturn.abandon("bench", grace=0, force=True)
+    turn.abandon("bench", grace=0)
+    return {name: (ms(statistics.median(calls[name])), ms(statistics.median(cycles[name]))) for name in methods}
+
+
+def churn(mgr: TurnManager, seconds: float) -> float:
+    """Turns per second: begin + spawn(/bin/true) + wait + complete, back to back."""
+    done = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        turn = mgr.begin_turn("bench-churn")
+        turn.spawn(["/bin/true"]).wait()
+        turn.complete()
+        done += 1
+    return done / (time.perf_counter() - t0)
+
+
+def listing_rows(root: str, state: str, turns: int) -> dict[str, float]:
+    """1000 turns, one sleeping process each: TurnManager.turns() and `cgturn ps --json` wall time."""
+    out = {}
+    with TurnManager(root=root, backend="cgroup2", state_dir=state) as mgr:
+        procs = []
+        try:
+            for i in range(turns):
+                procs.append(mgr.begin_turn(f"bench-ps-{i % 10}", f"t{i}").spawn(["sleep", "300"]))
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                listed = mgr.turns()
+                times.append(time.perf_counter() - t0)
+            if len(listed) != turns:
+                raise RuntimeError(f"listed {len(listed)} of {turns} turns")
+            out["library"] = ms(statistics.median(times))
+            cli = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                res = subprocess.run([sys.executable, "-m", "cgturn", "--root", root, "--state-dir", state,
+                                      "ps", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                cli.append(time.perf_counter() - t0)
+                if res.returncode != 0:
+                    out["cli_error"] = res.stderr.decode().strip().splitlines()[-1:]
+                    break
+            out["cli"] = ms(statistics.median(cli))
+        finally:
+            for i in range(10):
+                mgr.end_task(f"bench-ps-{i}")
+            for p in procs:
+                p.wait()
+    return out
+
+
+# --- cleanup and the table -------------------------------------------------------------------------
+
+def destroy(root: str) -> None:
+    """Kill whatever is left under the bench root (never holds this process) and remove it."""
+    if not os.path.isdir(root):
+        return
+    with contextlib.suppress(OSError), open(os.path.join(root, "cgroup.kill"), "w") as f:
+        f.write("1")
+    for dirpath, _, _ in sorted(os.walk(root), key=lambda entry: -len(entry[0])):
+        for _ in range(200):
+            try:
+                os.rmdir(dirpath)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.01)
+
+
+def print_table(abandon, escaped, spawn, churn_rates, listing) -> None:
+    print("\n## Abandon latency (median ms; tree of n processes; grace=0; same run, alternating)\n")
+    print("| n | kernel floor | cgroup2 | registry | psutil until dead | psutil + wait_procs | cgroup2/floor "
+          "| cgroup2/psutil dead |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in abandon:
+        print(f"| {r['n']} | {r['floor']:.1f} | {r['cgroup2']:.1f} | {r['registry']:.1f} | {r['psutil dead']:.1f} "
+              f"| {r['psutil wait_procs']:.1f} | {r['cgroup2'] / r['floor']:.2f}x "
+              f"| {r['cgroup2'] / r['psutil dead']:.2f}x |")
+    print("\n## Escapers caught (tests/escapers.py)\n")
+    print("| cgroup2 | registry | psutil recipe |")
+    print("|---:|---:|---:|")
+    print("| " + " | ".join(f"{a}/{b}" for a, b in (escaped["cgroup2"], escaped["registry"], escaped["psutil"]))
+          + " |")
+    base_call, base_cycle = spawn["Popen"]
+    print("\n## Spawn cost (median ms per process, /bin/true)\n")
+    print("| method | call returns | start to exit | vs Popen (call) |")
+    print("|---|---:|---:|---:|")
+    for name, (call, cycle) in spawn.items():
+        print(f"| {name} | {call:.2f} | {cycle:.2f} | {call / base_call:.2f}x |")
+    print("\n## Turn churn (begin + spawn + complete, turns per second)\n")
+    print("| cgroup2 | registry |")
+    print("|---:|---:|")
+    print(f"| {churn_rates['cgroup2']:.0f} | {churn_rates['registry']:.0f} |")
+    print(f"\n## Listing {listing.get('turns')} turns (one process each, median ms)\n")
+    print("| TurnManager.turns() | `cgturn ps --json` (wall, incl. interpreter start) |")
+    print("|---:|---:|")
+    print(f"| {listing['library']:.1f} | {listing.get('cli', float('nan')):.1f} |")
+    if listing.get("cli_error"):
+        print(f"\n(cgturn ps failed: {listing['cli_error']})")
+    five = next((r for r in abandon if r["n"] == 500), None)
+    print("\n## Against the targets\n")
+    if five:
+        print(f"- abandon 500: cgroup2 {five['cgroup2']:.1f} ms = {five['cgroup2'] / five['floor']:.2f}x the "
+              f"kernel floor (target <= 1.25x), {five['cgroup2'] / five['psutil dead']:.2f}x psutil until dead")
+    print(f"- spawn: Turn.spawn cgroup2 = {spawn['Turn.spawn cgroup2'][0] / base_call:.2f}x Popen "
+          "(target <= 1.5x)")
+    print(f"- listing {listing.get('turns')} turns in process: {listing['library']:.1f} ms (target < 100 ms)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sizes", default="1,10,100,500,1000")
+    ap.add_argument("--spawns", type=int, default=200)
+    ap.add_argument("--turns", type=int, default=1000)
+    ap.add_argument("--quick", action="store_true", help="1 round, sizes 1,10,100, 50 spawns, 100 turns")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.sizes, args.spawns, args.turns = 1, "1,10,100", 50, 100
+    sizes = [int(s) for s in args.sizes.split(",")]
+    host = discovery.discover()
+    if host.cgroup2_mount is None or os.geteuid() != 0:
+        print("needs root and a cgroup2 mount", file=sys.stderr)
+        return 1
+    root = os.path.join(host.own_cgroup or host.cgroup2_mount, f"cgturn-bench-{uuid.uuid4().hex[:8]}")
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as state:
+        try:
+            os.mkdir(root)
+            os.mkdir(os.path.join(root, "floor"))
+            with TurnManager(root=os.path.join(root, "main"), backend="cgroup2",
+                             state_dir=os.path.join(state, "main")) as mgr:
+                abandon = abandon_rows(mgr, os.path.join(root, "floor"), state, sizes, args.rounds)
+                escaped = escaper_rows(mgr, state)
+                print("  escapers done", file=sys.stderr, flush=True)
+                spawn = spawn_rows(mgr, state, args.spawns)
+                churn_rates = {"cgroup2": churn(mgr, 2.0)}
+                with registry_manager(state) as reg:
+                    churn_rates["registry"] = churn(reg, 2.0)
+                print("  spawn and churn done", file=sys.stderr, flush=True)
+            listing = listing_rows(os.path.join(root, "ps"), os.path.join(state, "ps"), args.turns)
+            listing["turns"] = args.turns
+        except KeyboardInterrupt:
+            print("interrupted: cleaning up", file=sys.stderr)
+            return 130
+        finally:
+            destroy(root)
+    print(f"cgturn bench on {os.uname().release}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
+          f"rounds={args.rounds}, total {time.monotonic() - started:.0f} s")
+    print_table(abandon, escaped, spawn, churn_rates, listing)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
