@@ -219,3 +219,21 @@ def test_abandoned_turn_does_not_slip_into_a_later_baseline(manager):
     assert manager.kill_started_since(baseline | {f"{stale.record.turn_key}/{leaked.pid}:0"}, "session") >= 1
     assert leaked.wait(timeout=10) == -signal.SIGKILL
     manager.end_task("session")
+
+
+@pytest.mark.parametrize("kwargs", [{"executable": "/bin/sh"}, {"user": "nobody"}, {"group": "nogroup"},
+                                    {"extra_groups": [0]}])
+def test_spawn_refuses_arguments_that_would_defeat_ownership(manager, kwargs):
+    turn = manager.begin_turn("kwargs")
+    with pytest.raises(ValueError, match="does not support"):
+        turn.spawn(SLEEP, **kwargs)
+    assert turn.pids() == []
+    turn.complete()
+
+
+def test_a_command_wrapped_in_setpriv_runs_unprivileged_inside_the_turn(manager):
+    turn = manager.begin_turn("setpriv")
+    out = turn.spawn(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "id", "-u"],
+                     stdout=subprocess.PIPE, text=True).communicate(timeout=10)[0]
+    assert out.strip() == "65534"
+    turn.complete()

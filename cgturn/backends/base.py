@@ -21,8 +21,15 @@ ENV_TURN = "CGTURN_TURN"
 # host with the same task and turn names never take each other's processes. Its value is opaque.
 ENV_SCOPE = "CGTURN_SCOPE"
 
-# Popen keyword arguments that would defeat ownership; refused with a clear error.
-_REFUSED_KWARGS = ("executable",)
+# Popen keyword arguments that cgturn cannot honour without weakening ownership, and what to do instead.
+# user/group/extra_groups drop privileges before the process could join its turn's cgroup (only a
+# privileged process may write cgroup.procs there); wrapping the command keeps the join first.
+_REFUSED_KWARGS = {
+    "executable": "put the program in argv[0]",
+    "user": "wrap the command instead, e.g. ['setpriv', '--reuid=USER', '--regid=GROUP', '--init-groups', ...]",
+    "group": "wrap the command instead, e.g. ['setpriv', '--regid=GROUP', '--clear-groups', ...]",
+    "extra_groups": "wrap the command instead, e.g. ['setpriv', '--groups=G1,G2', ...]",
+}
 
 Member = tuple[int, int]  # (pid, start time in clock ticks since boot)
 
@@ -151,9 +158,9 @@ def prepare_spawn(argv, popen_kwargs: dict, env_additions: dict[str, str]) -> tu
     Returns (argv as a list of str, the program's resolved path, Popen kwargs with `env` filled in).
     """
     kwargs = dict(popen_kwargs)
-    for name in _REFUSED_KWARGS:
+    for name, instead in _REFUSED_KWARGS.items():
         if kwargs.get(name) is not None:
-            raise ValueError(f"Turn.spawn does not support {name}=; put the program in argv[0]")
+            raise ValueError(f"Turn.spawn does not support {name}=; {instead}")
         kwargs.pop(name, None)
     if kwargs.pop("shell", False):
         if not isinstance(argv, (str, bytes)):

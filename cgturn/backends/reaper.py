@@ -127,27 +127,35 @@ class OrphanReaper(threading.Thread):
                 del self.attributed[member]
 
     def _attribute(self) -> None:
+        """Classify children of ours not seen before: turn orphans are attributed, others ignored.
+
+        The /proc scan runs without SPAWN_LOCK (spawn must not wait for it); only the check against
+        _SPAWNED takes it, and spawn holds it across Popen() and the insert, so a fresh Popen child
+        is always listed by the time it is checked.
+        """
         me = os.getpid()
-        with SPAWN_LOCK:
-            for pid in procfs.all_pids():
-                st = procfs.stat(pid)
-                if st is None or st.ppid != me:
+        for pid in _children_of(me):
+            st = procfs.stat(pid)
+            if st is None or st.ppid != me:
+                continue
+            member = (pid, st.start_time)
+            if member in self.attributed or member in self.ignored:
+                continue
+            with SPAWN_LOCK:
+                if _SPAWNED.get(pid) == st.start_time:
                     continue
-                member = (pid, st.start_time)
-                if member in self.attributed or member in self.ignored or _SPAWNED.get(pid) == st.start_time:
-                    continue
-                if st.state in ("Z", "X"):
-                    # Exited before we saw it alive: its environment is gone, so we cannot know
-                    # whose it is, and it may be a child some Popen will wait for.
-                    self.ignored.add(member)
-                    continue
-                if turn_tag(procfs.environ(pid), self.scope) is None:
-                    self.ignored.add(member)
-                    continue
-                fd = procfs.open_pidfd(pid, st.start_time)
-                if fd is not None:
-                    self.attributed[member] = fd
-            self.ignored = {m for m in self.ignored if procfs.start_time(m[0]) == m[1]}
+            if st.state in ("Z", "X"):
+                # Exited before we saw it alive: its environment is gone, so we cannot know
+                # whose it is, and it may be a child some Popen will wait for.
+                self.ignored.add(member)
+                continue
+            if turn_tag(procfs.environ(pid), self.scope) is None:
+                self.ignored.add(member)
+                continue
+            fd = procfs.open_pidfd(pid, st.start_time)
+            if fd is not None:
+                self.attributed[member] = fd
+        self.ignored = {m for m in self.ignored if procfs.start_time(m[0]) == m[1]}
 
     def _busy(self) -> bool:
         """Whether orphans can arrive: a child we spawned, or an orphan we hold, is still around.
@@ -201,3 +209,17 @@ class OrphanReaper(threading.Thread):
             self.attributed.clear()
             os.close(self._wake_r)
             os.close(self._wake_w)
+
+
+def _children_of(pid: int) -> list[int]:
+    """Children of `pid`: /proc/PID/task/*/children (CONFIG_PROC_CHILDREN), else a /proc scan."""
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(child) for child in f.read().split())
+        return out
+    except FileNotFoundError:
+        return procfs.all_pids()  # the caller filters by ppid
+    except OSError:
+        return procfs.all_pids()

@@ -13,7 +13,7 @@ import os
 import select
 import time
 
-from ..errors import translate
+from ..errors import KernelError, translate
 from . import parsers
 
 PROCS_FILE = "cgroup.procs"
@@ -21,6 +21,7 @@ EVENTS_FILE = "cgroup.events"
 KILL_FILE = "cgroup.kill"          # 5.14+
 FREEZE_FILE = "cgroup.freeze"      # 5.2+
 TYPE_FILE = "cgroup.type"
+THREADS_FILE = "cgroup.threads"
 CONTROLLERS_FILE = "cgroup.controllers"
 SUBTREE_CONTROL_FILE = "cgroup.subtree_control"
 CPU_STAT_FILE = "cpu.stat"
@@ -113,11 +114,23 @@ class Cgroup:
     # --- membership -------------------------------------------------------------------------------
 
     def procs(self) -> list[int]:
-        """Pids directly in this cgroup; [] when the cgroup is gone."""
+        """Pids directly in this cgroup; [] when the cgroup is gone.
+
+        A threaded cgroup refuses to list cgroup.procs (EOPNOTSUPP): its members are read from
+        cgroup.threads and mapped from thread ids to their processes.
+        """
         try:
             return parsers.parse_cgroup_procs(self.read(PROCS_FILE))
         except FileNotFoundError:
             return []
+        except KernelError as err:
+            if err.errno != errno.EOPNOTSUPP:
+                raise
+        try:
+            tids = parsers.parse_cgroup_procs(self.read(THREADS_FILE))
+        except FileNotFoundError:
+            return []
+        return sorted({pid for pid in map(_tgid_of, tids) if pid is not None})
 
     def descendants(self) -> list["Cgroup"]:
         """Every cgroup below this one, parents before children (walk order)."""
@@ -278,6 +291,18 @@ class Cgroup:
 
     def set_xattr(self, key: str, value: bytes) -> None:
         os.setxattr(self.path, key, value)
+
+
+def _tgid_of(tid: int) -> int | None:
+    """The process (thread group) a thread id belongs to; None when it is gone."""
+    try:
+        with open(f"/proc/{tid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def is_cgroup2(path: str) -> bool:

@@ -123,12 +123,11 @@ THREADED = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, raises=Exception,
-                   reason="cgroupfs.procs() reads cgroup.procs, which a threaded cgroup refuses with "
-                          "EOPNOTSUPP; abandon raises KernelError instead of reading cgroup.threads "
-                          "(reported to the kernel-layer owner)")
-def test_threaded_sub_cgroup_in_a_turn_is_still_killed(mgr):
-    """cgroup.kill there gives EOPNOTSUPP and cgroup.procs cannot be read: the fallback must cope."""
+@pytest.mark.parametrize("use_cgroup_kill", [True, False], ids=["cgroup.kill", "freeze-fallback"])
+def test_threaded_sub_cgroup_in_a_turn_is_still_killed(mgr, use_cgroup_kill):
+    """cgroup.procs of a threaded cgroup cannot be read (EOPNOTSUPP): membership comes from
+    cgroup.threads; both kill paths must still empty the turn."""
+    mgr.backend.cgroup_kill_works = use_cgroup_kill
     turn = mgr.begin_turn("threaded")
     p = turn.spawn([PY, "-c", THREADED, mgr.host.cgroup2_mount], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "threaded"
