@@ -149,33 +149,33 @@ class TurnManager:
         if task_id is not None and (ids.is_blank(task_id) or not _valid(task_id)):
             return []
         task_key = None if task_id is None else ids.encode(task_id)
+        views = self.backend.views(task_key)
+        sockets = self._listening_sockets() if any(v.cgroup_ids for v in views) else None
         out = []
-        sockets = None  # one sock_diag dump per call, taken on first need
-        for rec in self.backend.records(task_key):
-            pids = sorted(pid for pid, _ in self.backend.members(rec))
-            cpu, mem = self.backend.usage(rec, pids)
+        for view in views:
+            rec = view.record
+            mem = view.memory_bytes
             if mem is None:  # no memory controller on the turn: summed RSS is the next best answer
-                mem = observe.rss_bytes(pids)
-            ports, sockets = self._ports(rec, pids, sockets)
-            out.append(TurnInfo(task=rec.task_id, turn=rec.turn_id, state=rec.state, pids=pids,
+                mem = observe.rss_bytes(view.pids)
+            if view.cgroup_ids and sockets is not None:
+                ports = observe.ports_in_cgroups(sockets, view.cgroup_ids)
+            else:
+                ports = observe.ports_of_pids(view.pids)
+            out.append(TurnInfo(task=rec.task_id, turn=rec.turn_id, state=rec.state, pids=view.pids,
                                 owner_pid=rec.owner_pid, started_at=rec.started_at, reason=rec.reason,
-                                cpu_seconds=cpu, memory_bytes=mem, ports=ports,
-                                path=self.backend.cgroup_dir(rec) or self.backend.location))
+                                cpu_seconds=view.cpu_seconds, memory_bytes=mem, ports=ports,
+                                path=view.path))
         out.sort(key=lambda info: (info.started_at, info.task, info.turn))
         return out
 
-    def _ports(self, rec: TurnRecord, pids: list[int], sockets):
-        """(listening ports of the turn, the sock_diag dump to reuse; False once it proved unusable)."""
-        cgroup_dir = self.backend.cgroup_dir(rec)
-        if cgroup_dir is None or sockets is False:
-            return observe.ports_of_pids(pids), sockets
-        if sockets is None:
-            try:
-                sockets = observe.listening_sockets()
-            except observe.DiagUnavailable as err:
-                log.info("ports via psutil: %s", err)
-                return observe.ports_of_pids(pids), False
-        return observe.ports_in_cgroups(sockets, observe.cgroup_ids(cgroup_dir)), sockets
+    @staticmethod
+    def _listening_sockets():
+        """One sock_diag dump for a whole listing; None when unusable (ports then come from psutil)."""
+        try:
+            return observe.listening_sockets()
+        except observe.DiagUnavailable as err:
+            log.info("ports via psutil: %s", err)
+            return None
 
     def end_task(self, task_id: str, reason: str = "end-task") -> AbandonResult:
         """Kill everything the task owns, completed turns' survivors included, and remove its turns.

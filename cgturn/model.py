@@ -38,8 +38,24 @@ class TurnRecord:
 
     @classmethod
     def from_json(cls, data: dict) -> "TurnRecord":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        """Build from stored JSON, ignoring fields this version does not know."""
+        return cls(**{k: v for k, v in data.items() if k in _RECORD_FIELDS})
+
+
+_RECORD_FIELDS = frozenset(f.name for f in dataclasses.fields(TurnRecord))
+
+
+@dataclass
+class TurnView:
+    """A turn observed at one moment: its record, live pids and resource use (what `ps` needs)."""
+
+    record: TurnRecord
+    pids: list[int]
+    cpu_seconds: float = 0.0
+    memory_bytes: int | None = None
+    # Ids of the turn's cgroup and every cgroup below it (sock_diag reports these); empty without one.
+    cgroup_ids: frozenset[int] = frozenset()
+    path: str | None = None
 
 
 @dataclass

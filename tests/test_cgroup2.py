@@ -251,3 +251,27 @@ def test_reap_abandons_turns_of_a_dead_owner_and_keeps_completed_survivors(mgr, 
     assert wait_until(lambda: not alive(worker))
     assert alive(survivor)
     mgr.end_task("gw")
+
+
+def test_fast_listing_agrees_with_the_generic_composition(mgr):
+    """views() answers ps in one pass; it must see what records/members/usage see, sub-cgroups too."""
+    from cgturn.backends.base import Backend
+
+    plain = mgr.begin_turn("list", "plain")
+    p1 = plain.spawn(["sleep", "300"])
+    nested = mgr.begin_turn("list", "nested")
+    p2 = nested.spawn(["sleep", "300"])
+    sub = Cgroup(turn_dir(mgr, nested)).child("sub")
+    sub.create()
+    sub.move_in(p2.pid)  # now the pid lives only in a sub-cgroup of the turn
+    fast = {v.record.turn_id: v for v in mgr.backend.views("list")}
+    slow = {v.record.turn_id: v for v in Backend.views(mgr.backend, "list")}
+    assert fast.keys() == slow.keys() == {"plain", "nested"}
+    for name in fast:
+        assert fast[name].pids == slow[name].pids
+        assert fast[name].path == slow[name].path
+    assert fast["nested"].pids == [p2.pid] and fast["plain"].pids == [p1.pid]
+    assert len(fast["nested"].cgroup_ids) == 2 and os.stat(sub.path).st_ino in fast["nested"].cgroup_ids
+    mgr.end_task("list")
+    p1.wait(timeout=10)
+    p2.wait(timeout=10)

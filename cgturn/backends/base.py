@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from typing import Callable, Iterable
 
-from ..model import TurnRecord
+from ..model import TurnRecord, TurnView
 
 ENV_TASK = "CGTURN_TASK"
 ENV_TURN = "CGTURN_TURN"
@@ -134,6 +134,18 @@ class Backend(abc.ABC):
     def usage(self, record: TurnRecord, pids: list[int]) -> tuple[float, int | None]:
         """(cpu seconds, memory bytes or None) used by the turn; backends refine this."""
         return 0.0, None
+
+    def views(self, task_key: str | None = None) -> list[TurnView]:
+        """Every existing turn (of one task) with its live pids and usage: what `ps` lists.
+
+        Composed from records/members/usage here; a backend may answer it in one pass instead.
+        """
+        out = []
+        for rec in self.records(task_key):
+            pids = sorted(pid for pid, _ in self.members(rec))
+            cpu, mem = self.usage(rec, pids)
+            out.append(TurnView(rec, pids, cpu, mem, path=self.cgroup_dir(rec) or self.location))
+        return out
 
     def close(self) -> None:
         """Release resources (threads, database connections)."""

@@ -22,6 +22,7 @@ KILL_FILE = "cgroup.kill"          # 5.14+
 FREEZE_FILE = "cgroup.freeze"      # 5.2+
 TYPE_FILE = "cgroup.type"
 THREADS_FILE = "cgroup.threads"
+STAT_FILE = "cgroup.stat"
 CONTROLLERS_FILE = "cgroup.controllers"
 SUBTREE_CONTROL_FILE = "cgroup.subtree_control"
 CPU_STAT_FILE = "cpu.stat"
@@ -77,8 +78,7 @@ class Cgroup:
         """Read an interface file. Raises FileNotFoundError when the cgroup (or file) is gone."""
         path = self.file(name)
         try:
-            with open(path, encoding="ascii", errors="replace") as f:
-                return f.read()
+            return read_text(path)
         except FileNotFoundError:
             raise
         except OSError as err:
@@ -134,10 +134,7 @@ class Cgroup:
 
     def descendants(self) -> list["Cgroup"]:
         """Every cgroup below this one, parents before children (walk order)."""
-        out = []
-        for dirpath, dirnames, _ in os.walk(self.path):
-            out.extend(Cgroup(os.path.join(dirpath, d)) for d in dirnames)
-        return out
+        return [Cgroup(path) for path, _ in walk_tree(self.path)[1:]]
 
     def children(self) -> list["Cgroup"]:
         try:
@@ -291,6 +288,42 @@ class Cgroup:
 
     def set_xattr(self, key: str, value: bytes) -> None:
         os.setxattr(self.path, key, value)
+
+
+def read_text(path: str) -> str:
+    """Read a whole (small) kernel file with raw os.read calls: no buffered-file overhead."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        chunks = []
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks).decode("ascii", "replace")
+    finally:
+        os.close(fd)
+
+
+def walk_tree(path: str) -> list[tuple[str, int]]:
+    """(path, cgroup id) of the cgroup at `path` and every cgroup below it, parents first.
+
+    A cgroup's id is its kernfs inode number, which getdents reports as d_ino, so no stat is needed
+    below the top. [] when the cgroup is gone.
+    """
+    try:
+        out = [(path, os.stat(path).st_ino)]
+    except FileNotFoundError:
+        return []
+    i = 0
+    while i < len(out):
+        try:
+            with os.scandir(out[i][0]) as entries:
+                out.extend((e.path, e.inode()) for e in entries if e.is_dir(follow_symlinks=False))
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        i += 1
+    return out
 
 
 def _tgid_of(tid: int) -> int | None:
