@@ -12,7 +12,7 @@ import pytest
 
 import escapers
 from cgturn.backends.metadata import XATTR_KEY
-from cgturn.errors import UnsafeOperation
+from cgturn.errors import NoSuchTurn, UnsafeOperation
 from cgturn.kernel import procfs
 from cgturn.kernel.cgroupfs import Cgroup
 from cgturn.manager import TurnManager
@@ -275,3 +275,28 @@ def test_fast_listing_agrees_with_the_generic_composition(mgr):
     mgr.end_task("list")
     p1.wait(timeout=10)
     p2.wait(timeout=10)
+
+
+def test_a_spawn_whose_turn_vanished_never_runs_its_target(mgr, tmp_path):
+    """The gate holds the shim until the parent moved it; if the move fails the target never runs."""
+    turn = mgr.begin_turn("vanish")
+    rec = turn.record
+    marker = tmp_path / "ran"
+    Cgroup(turn_dir(mgr, turn)).remove_tree()  # the turn's cgroup is gone before the spawn
+    with pytest.raises(NoSuchTurn):
+        mgr.backend.spawn(rec, ["touch", str(marker)], {})
+    assert not marker.exists()
+    assert os.listdir(mgr.backend.gates.directory) == [] or all(
+        not name.startswith(f"{os.getpid()}-") for name in os.listdir(mgr.backend.gates.directory))
+
+
+def test_gates_are_retired_once_their_shims_have_read_them(mgr):
+    turn = mgr.begin_turn("gates")
+    procs = [turn.spawn(["true"]) for _ in range(20)]
+    for p in procs:
+        assert p.wait(timeout=10) == 0
+    mgr.backend.gates.sweep()
+    assert mgr.backend.gates._pending == []
+    mine = [n for n in os.listdir(mgr.backend.gates.directory) if n.startswith(f"{os.getpid()}-")]
+    assert mine == []
+    turn.complete()

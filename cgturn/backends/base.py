@@ -161,34 +161,39 @@ def turn_tag(env: dict[str, str] | None, scope: str) -> tuple[str, str] | None:
 
 # --- spawn preparation shared by both backends ----------------------------------------------------
 
-def prepare_spawn(argv, popen_kwargs: dict, env_additions: dict[str, str]) -> tuple[list[str], str, dict]:
-    """Normalise a spawn request: resolve the program, add the turn's environment.
+def prepare_spawn(argv, popen_kwargs: dict) -> tuple[list[str], str, dict]:
+    """Normalise a spawn request and resolve its program; the environment is left to the backend.
 
     Resolving in the parent keeps Popen's behaviour for a missing or non-executable program
     (FileNotFoundError / PermissionError raised by spawn) even though a shim may run first.
 
-    Returns (argv as a list of str, the program's resolved path, Popen kwargs with `env` filled in).
+    Returns (argv as a list of str, the program's resolved path, Popen kwargs).
     """
     kwargs = dict(popen_kwargs)
     for name, instead in _REFUSED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise ValueError(f"Turn.spawn does not support {name}=; {instead}")
         kwargs.pop(name, None)
-    if kwargs.pop("shell", False):
-        if not isinstance(argv, (str, bytes)):
-            argv = subprocess.list2cmdline(list(argv))
-        argv = ["/bin/sh", "-c", os.fsdecode(argv)]
+    if kwargs.pop("shell", False):  # as Popen does on POSIX: the rest become the shell's $0, $1, ...
+        argv = ["/bin/sh", "-c", os.fsdecode(argv)] if isinstance(argv, (str, bytes)) else \
+            ["/bin/sh", "-c", *map(os.fsdecode, argv)]
     elif isinstance(argv, (str, bytes, os.PathLike)):
         argv = [os.fsdecode(argv)]
     else:
         argv = [os.fsdecode(a) for a in argv]
     if not argv:
         raise ValueError("Turn.spawn needs a non-empty argv")
-    env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
-    env.update(env_additions)
-    kwargs["env"] = env
-    program = resolve_program(argv[0], env.get("PATH", os.defpath), kwargs.get("cwd"))
+    env = kwargs.get("env")
+    path = os.environ.get("PATH", os.defpath) if env is None else env.get("PATH", env.get(b"PATH", os.defpath))
+    program = resolve_program(argv[0], os.fsdecode(path), kwargs.get("cwd"))
     return argv, program, kwargs
+
+
+def with_environment(kwargs: dict, additions: dict[str, str]) -> dict:
+    """Popen kwargs whose `env` is the given (or inherited) environment plus `additions`."""
+    env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
+    env.update(additions)
+    return {**kwargs, "env": env}
 
 
 def resolve_program(program: str, path: str, cwd=None) -> str:

@@ -1,11 +1,12 @@
 """The cgroup v2 backend: every turn is a child cgroup `<root>/<task>/<turn>`; membership is ownership.
 
-Spawn: a `/bin/sh` shim writes its own pid into the turn's cgroup.procs, tells the parent through a
-FIFO that it has joined, then execs the target. So the process is in the turn before the target runs
-one instruction, `spawn` returns only once it is in (a `complete()` right after a spawn never sees an
-empty turn), and Popen keeps its vfork path: thread-safe, no Python code between fork and exec.
-preexec_fn would be slower (it forces fork) and is unsafe with threads; spawn-then-move missed 1-9 %
-of children here; clone3(CLONE_INTO_CGROUP) from ctypes is unsafe with threads.
+Spawn: Popen starts a `/bin/sh` shim that blocks on a per-spawn FIFO (a "gate", see gates.py); the
+parent writes the shim's pid into the turn's cgroup.procs, then opens the gate; the shim execs the
+target. So the process is in the turn before the target runs one instruction and before `spawn`
+returns, Popen keeps its vfork path (thread-safe: no Python code between fork and exec), and the
+parent never waits for the shell to start. preexec_fn would force fork and is unsafe with threads;
+spawn-then-move without a gate missed 1-9 % of children here; clone3(CLONE_INTO_CGROUP) from ctypes
+is unsafe with threads.
 
 Kill: cgroup.kill (5.14+) SIGKILLs the subtree and, via a flag checked in cgroup_post_fork, whatever is
 forked during the kill. Where it is missing or refused, freeze -> enumerate -> SIGKILL -> thaw, repeated
@@ -16,11 +17,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import select
 import signal
 import subprocess
-import threading
-import time
 from typing import Callable, Iterable
 
 from ..errors import NoSuchTurn, TurnExists, UnsafeOperation, translate
@@ -29,16 +27,16 @@ from ..kernel.cgroupfs import CPU_STAT_FILE, MEMORY_CURRENT_FILE, STAT_FILE, Cgr
 from ..kernel.discovery import own_cgroup_dir
 from ..model import COMPLETED, TurnRecord, TurnView
 from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn
+from .gates import SpawnGates, gate_directory
 from .metadata import MetadataStore, locked
 
 log = logging.getLogger("cgturn")
 
-# `$0` is the cgroup.procs path, `$1` the FIFO to report "joined" on, the rest the program and its
-# arguments. Exit 125 if joining failed, so the target never runs outside its turn. The `-p` test keeps
-# a late shim from creating a regular file where the parent already removed the FIFO.
-SPAWN_SHIM = ('echo $$ > "$0" || { echo "cgturn: cannot join turn cgroup $0" >&2; exit 125; }; '
-              '[ -p "$1" ] && echo > "$1"; shift; exec "$@"')
-JOIN_TIMEOUT = 30.0
+# `$0` is the gate (a FIFO); $1-$3 the turn's CGTURN_TASK, CGTURN_TURN and CGTURN_SCOPE; the rest the
+# program and its arguments. Anything but "go" (EOF when the parent gave up, or no FIFO) exits 125
+# without running the target. Exporting in the shim spares Popen a copy of the whole environment.
+SPAWN_SHIM = (f'read go < "$0" && [ "$go" = go ] || exit 125; '
+              f'export {ENV_TASK}="$1" {ENV_TURN}="$2" {ENV_SCOPE}="$3"; shift 3; exec "$@"')
 FREEZE_TIMEOUT = 1.0
 FALLBACK_ROUNDS = 50
 
@@ -53,7 +51,7 @@ class Cgroup2Backend(Backend):
         # Decided once, on first refusal (trio-style capability flag); tests set it to force the
         # freeze fallback.
         self.cgroup_kill_works = True
-        self._fifo_seq = 0
+        self.gates = SpawnGates(gate_directory(os.path.join(state_dir, "spawn")))
 
     @property
     def scope(self) -> str:
@@ -141,50 +139,30 @@ class Cgroup2Backend(Backend):
         return {ENV_TASK: record.task_key, ENV_TURN: record.turn_key, ENV_SCOPE: self.scope}
 
     def spawn(self, record, argv, popen_kwargs) -> subprocess.Popen:
-        argv, program, kwargs = prepare_spawn(argv, popen_kwargs, self.env_for(record))
-        procs = self._cg(record).file("cgroup.procs")
-        fifo = self._new_fifo()
+        argv, program, kwargs = prepare_spawn(argv, popen_kwargs)
+        gate = self.gates.open()
+        shim = ["/bin/sh", "-c", SPAWN_SHIM, gate.path, record.task_key, record.turn_key, self.scope]
         try:
-            notice = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader exists: the shim never blocks
-            try:
-                proc = subprocess.Popen(["/bin/sh", "-c", SPAWN_SHIM, procs, fifo, program, *argv[1:]], **kwargs)
-                self._await_join(proc, notice, record)
-            finally:
-                os.close(notice)
-        finally:
-            os.unlink(fifo)
+            proc = subprocess.Popen([*shim, program, *argv[1:]], **kwargs)
+        except BaseException:
+            self.gates.discard(gate)
+            raise
+        try:
+            # Our unreaped child, blocked on its gate: its pid cannot have been recycled.
+            self._cg(record).move_in(proc.pid)
+        except BaseException as err:
+            self.gates.discard(gate)  # the shim reads EOF and exits 125 without running the target
+            proc.kill()
+            proc.wait()
+            if isinstance(err, FileNotFoundError):
+                raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} ended while "
+                                 f"spawning") from None
+            raise
+        self.gates.release(gate, proc.pid)
         return proc
 
-    def _new_fifo(self) -> str:
-        directory = os.path.join(self.meta.state_dir, "spawn")
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        self._fifo_seq += 1
-        path = os.path.join(directory, f"{os.getpid()}-{threading.get_ident()}-{self._fifo_seq}")
-        os.mkfifo(path, 0o600)
-        return path
-
-    def _await_join(self, proc: subprocess.Popen, notice: int, record: TurnRecord) -> None:
-        """Return once the shim reported it joined the turn; raise if it died without joining."""
-        pidfd = os.pidfd_open(proc.pid)
-        try:
-            poller = select.poll()
-            poller.register(notice, select.POLLIN)
-            poller.register(pidfd, select.POLLIN)
-            deadline = time.monotonic() + JOIN_TIMEOUT
-            while time.monotonic() < deadline:
-                ready = dict(poller.poll(int(JOIN_TIMEOUT * 1000)))
-                if notice in ready and _drain(notice):
-                    return
-                if pidfd in ready:
-                    if _drain(notice):
-                        return
-                    proc.wait()
-                    raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} ended while "
-                                     f"spawning (the process could not join its cgroup)")
-            log.warning("pid %d has not reported joining turn %r after %.0f s", proc.pid, record.turn_id,
-                        JOIN_TIMEOUT)
-        finally:
-            os.close(pidfd)
+    def close(self) -> None:
+        self.gates.close()
 
     def adopt(self, record, pid) -> None:
         try:
@@ -376,11 +354,3 @@ def _descendant_count(cg: Cgroup) -> int:
         return parsers.parse_flat_keyed(read_text(cg.file(STAT_FILE))).get("nr_descendants", -1)
     except OSError:
         return -1
-
-
-def _drain(fd: int) -> bool:
-    """Read what is waiting on a non-blocking fd; True if anything was there."""
-    try:
-        return bool(os.read(fd, 64))
-    except BlockingIOError:
-        return False

@@ -37,7 +37,7 @@ from typing import Callable, Iterable
 from ..errors import TurnExists, translate
 from ..kernel import procfs
 from ..model import COMPLETED, TurnRecord
-from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, turn_tag
+from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, turn_tag, with_environment
 from .reaper import SPAWN_LOCK, OrphanReaper, acquire_subreaper, note_spawned, release_subreaper
 from .registry_db import RegistryDatabase
 
@@ -173,7 +173,8 @@ class RegistryBackend(Backend):
     # --- membership -------------------------------------------------------------------------------
 
     def spawn(self, record, argv, popen_kwargs) -> subprocess.Popen:
-        argv, program, kwargs = prepare_spawn(argv, popen_kwargs, self.env_for(record))
+        argv, program, kwargs = prepare_spawn(argv, popen_kwargs)
+        kwargs = with_environment(kwargs, self.env_for(record))
         with SPAWN_LOCK:
             proc = subprocess.Popen([program, *argv[1:]], **kwargs)
             # Our unreaped child: its pid cannot be recycled yet, so this start time is its own.
