@@ -142,6 +142,9 @@ def test_scope_location_and_database(registry):
     assert os.path.exists(mgr.backend.scope)
     turn = mgr.begin_turn("task", "t")
     p = sleeper(turn)
+    # Popen returns when exec closed its error pipe, a moment before the kernel has set up the new
+    # image's environment (load_elf_binary runs after begin_new_exec): wait for it to show.
+    assert wait_until(lambda: "CGTURN_SCOPE" in (procfs.environ(p.pid) or {}))
     env = procfs.environ(p.pid)
     assert env["CGTURN_SCOPE"] == mgr.backend.scope
     assert (env["CGTURN_TASK"], env["CGTURN_TURN"]) == ("task", "t")
