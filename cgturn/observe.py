@@ -20,6 +20,7 @@ log = logging.getLogger("cgturn")
 TCP_LISTEN = 10          # include/net/tcp_states.h
 TCP_CLOSE = 7            # an unconnected (bound) UDP socket reports this state
 ALL_STATES = 0xFFF
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 ATTR_CGROUP_ID = "INET_DIAG_CGROUP_ID"   # 5.7+ (cgroup v2 sockets)
 PROTOCOLS = (("tcp", socket.IPPROTO_TCP, 1 << TCP_LISTEN), ("udp", socket.IPPROTO_UDP, 1 << TCP_CLOSE))
 FAMILIES = (socket.AF_INET, socket.AF_INET6)
@@ -113,14 +114,17 @@ def _unique(sockets) -> list[dict]:
 
 
 def rss_bytes(pids: list[int]) -> int | None:
-    """Summed resident set size of `pids` (counts shared pages once per process); None if none readable."""
-    import psutil
+    """Summed resident set size of `pids` (shared pages count once per process); None if none readable.
 
+    Read from /proc/PID/statm (resident pages) directly: psutil costs ~10x more per pid, which
+    dominated `ps` over many turns.
+    """
     total, seen = 0, False
     for pid in pids:
         try:
-            total += psutil.Process(pid).memory_info().rss
+            with open(f"/proc/{pid}/statm", "rb") as f:
+                total += int(f.read().split()[1]) * PAGE_SIZE
             seen = True
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        except (OSError, ValueError, IndexError):
             continue
     return total if seen else (0 if not pids else None)

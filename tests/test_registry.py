@@ -446,3 +446,26 @@ def test_fallback_in_namespace_without_cgroup2(outer_turn, tmp_path):
     cleared = report["escapers"]["env_cleared"]
     assert cleared["pids"] and cleared["members"] == [] and not cleared["dead"]
     assert report["bystander_alive"] is True
+
+
+def test_killed_members_that_reparent_to_the_owner_are_reaped(tmp_path):
+    """A turn's grandchildren die with their parent and reparent to the subreaper already dead; they
+    must not pile up as zombies of the owner (they did, until kills told the reaper to expect them)."""
+    mgr = TurnManager(backend="registry", state_dir=str(tmp_path / "state"))
+    try:
+        turn = mgr.begin_turn("zombies")
+        shell = turn.spawn(["sh", "-c", "for i in 1 2 3 4 5 6 7 8; do sleep 300 & done; wait"])
+        assert wait_until(lambda: len(turn.pids()) == 9)
+        grandchildren = [pid for pid in turn.pids() if pid != shell.pid]
+        turn.abandon("x", grace=0)
+        assert shell.wait(timeout=10) == -signal.SIGKILL
+
+        def ours_and_dead(pid):
+            st = procfs.stat(pid)
+            return st is not None and st.ppid == os.getpid()
+
+        assert wait_until(lambda: not any(ours_and_dead(pid) for pid in grandchildren), timeout=5)
+    finally:
+        scope = mgr.backend.scope
+        mgr.close()
+        kill_scope(scope)

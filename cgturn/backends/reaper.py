@@ -102,6 +102,8 @@ class OrphanReaper(threading.Thread):
         self.interval, self.idle_interval = interval, idle_interval
         self.attributed: dict[Member, int] = {}   # orphan -> pidfd
         self.ignored: set[Member] = set()          # children judged not ours to reap
+        self.expected: set[Member] = set()         # members this process killed: ours if they come
+        self._expected_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._stopping = threading.Event()
         self._busy_until = time.monotonic() + BUSY_GRACE * interval
@@ -144,6 +146,15 @@ class OrphanReaper(threading.Thread):
             with SPAWN_LOCK:
                 if _SPAWNED.get(pid) == st.start_time:
                     continue
+            with self._expected_lock:
+                expected = member in self.expected
+                self.expected.discard(member)
+            if expected:
+                # A turn member we killed that reparented to us (its parent died in the same kill).
+                fd = procfs.open_pidfd(pid, st.start_time)
+                if fd is not None:
+                    self.attributed[member] = fd
+                continue
             if st.state in ("Z", "X"):
                 # Exited before we saw it alive: its environment is gone, so we cannot know
                 # whose it is, and it may be a child some Popen will wait for.
@@ -156,6 +167,8 @@ class OrphanReaper(threading.Thread):
             if fd is not None:
                 self.attributed[member] = fd
         self.ignored = {m for m in self.ignored if procfs.start_time(m[0]) == m[1]}
+        with self._expected_lock:
+            self.expected = {m for m in self.expected if procfs.start_time(m[0]) == m[1]}
 
     def _busy(self) -> bool:
         """Whether orphans can arrive: a child we spawned, or an orphan we hold, is still around.
@@ -189,6 +202,12 @@ class OrphanReaper(threading.Thread):
         poller.poll((self.interval if self._busy() else self.idle_interval) * 1000)
         with contextlib.suppress(BlockingIOError):
             os.read(self._wake_r, 4096)
+
+    def expect(self, members) -> None:
+        """Members this process just killed: reap them if they turn up as our (dead) children."""
+        with self._expected_lock:
+            self.expected.update(members)
+        self.nudge()
 
     def nudge(self) -> None:
         """Wake the thread now (a process was just spawned) and keep it sweeping quickly."""

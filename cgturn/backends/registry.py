@@ -300,9 +300,17 @@ class RegistryBackend(Backend):
             for (pid, _), (fd, _) in held.items():
                 if self._send(fd, pid, signal.SIGKILL, protected):
                     killed.append(pid)
+            self._expect_orphans(held)
         finally:
             _close_all(held)
         return sorted(killed)
+
+    def _expect_orphans(self, killed) -> None:
+        """Tell the reaper that these killed members are ours to reap if they end up our children:
+        a member whose parent died in the same kill reparents to us already dead, so the reaper
+        never sees it alive to check its environment."""
+        if self._reaper is not None:
+            self._reaper.expect(killed)
 
     def kill_where(self, record, doomed: Callable[[int, int], bool]) -> list[int]:
         protected = procfs.protected_pids()
@@ -313,6 +321,7 @@ class RegistryBackend(Backend):
                 if doomed(pid, start):
                     if self._send(fd, pid, signal.SIGKILL, protected):
                         killed.append(pid)
+                        self._expect_orphans([(pid, start)])
                 elif not was_stopped:  # leave a process stopped by someone else (^Z) stopped
                     self._send(fd, pid, signal.SIGCONT, protected)
         finally:
