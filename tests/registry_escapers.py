@@ -32,6 +32,9 @@ class Escaper:
     cleanup: list[str] | None = None  # command that undoes it (tmux kill-server)
     log: str = "/dev/null"  # where the launcher's stderr goes
     status: int | None = None  # the launcher's exit status once launched
+    # Program every leftover finally runs, when an intermediate image (`env -i`) also carries the
+    # marker: launch() waits for the exec so membership is judged on the final process.
+    final: str | None = None
 
 
 def _duration() -> str:
@@ -62,7 +65,7 @@ def recipes(tmpdir: str) -> dict[str, Escaper]:
                                        ["start-stop-daemon", "--start", "--background", "--make-pidfile",
                                         "--pidfile", pidfile, "--exec", "/bin/sleep", "--", d], d)
     d = _duration()
-    out["env_cleared"] = Escaper("env_cleared", ["setsid", "-f", "env", "-i", "sleep", d], d)
+    out["env_cleared"] = Escaper("env_cleared", ["setsid", "-f", "env", "-i", "sleep", d], d, final="sleep")
     for name, recipe in out.items():
         recipe.log = os.path.join(tmpdir, f"launch-{name}-{secrets.token_hex(3)}.err")
     return out
@@ -97,6 +100,9 @@ def launch(turn, esc: Escaper, timeout: float = 10.0) -> list[int]:
         proc = turn.spawn(esc.argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
     esc.status = proc.wait(timeout=timeout)
     wait_for(lambda: len(find_marked(esc.marker)) >= esc.leftovers, timeout)
+    if esc.final is not None:
+        wait_for(lambda: all(os.path.basename(procfs.cmdline(pid).split(" ")[0]) == esc.final
+                             for pid in find_marked(esc.marker)), timeout)
     return find_marked(esc.marker)
 
 

@@ -74,8 +74,13 @@ def inner(cgroup2_root, tmp_path):
 
 
 def leaks(output: str) -> list[tuple[str, int, str]]:
-    """(where, pid, command) of every leak report line."""
-    return [(m.group(1), int(m.group(2)), m.group(3)) for m in map(LEAK_RE.match, output.splitlines()) if m]
+    """(where, pid, command) of every leak reported, once each.
+
+    pytest repeats an error's whole message in its short summary when CI is set (it truncates it
+    otherwise), so one report line may appear twice in the output.
+    """
+    found = [(m.group(1), int(m.group(2)), m.group(3)) for m in map(LEAK_RE.match, output.splitlines()) if m]
+    return list(dict.fromkeys(found))
 
 
 def assert_all_dead(found):
