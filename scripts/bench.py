@@ -177,44 +177,54 @@ def _gone(pid: int, timeout: float = 5.0) -> bool:
     return False
 
 
-def _caught_by_cgturn(mgr: TurnManager, start, cleanup) -> bool:
-    """Start one escaper in a turn, abandon the turn: True if the escaped daemon died."""
+def _caught_by_cgturn(mgr: TurnManager, name: str) -> bool:
+    """Start one escaper in a turn, abandon the turn: True if everything it left behind died."""
+    import escapers
+
     with tempfile.TemporaryDirectory() as work:
+        recipe = escapers.recipes(work)[name]
         try:
             turn = mgr.begin_turn("bench-escape")
-            pid = start(turn, work)
+            pids = escapers.launch(turn, recipe)
             turn.abandon("bench", grace=0)
-            return _gone(pid)
+            return bool(pids) and all(_gone(pid) for pid in pids)
         finally:
-            cleanup(work)
+            escapers.destroy(recipe)
             mgr.end_task("bench-escape")
+
+
+def _caught_by_psutil(root_mgr: TurnManager, name: str) -> bool:
+    """The psutil recipe applied to what the escaper's launcher started (inside a throwaway turn)."""
+    import escapers
+
+    with tempfile.TemporaryDirectory() as work:
+        recipe = escapers.recipes(work)[name]
+        turn = root_mgr.begin_turn("bench-escape")
+        try:
+            rec = _Recording(turn)
+            pids = escapers.launch(rec, recipe)
+            for launcher in rec.launched:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    parent = psutil.Process(launcher)
+                    for p in parent.children(recursive=True) + [parent]:
+                        with contextlib.suppress(psutil.NoSuchProcess):
+                            p.kill()
+            return bool(pids) and all(_gone(pid, timeout=0.5) for pid in pids)
+        finally:
+            escapers.destroy(recipe)
+            turn.abandon("bench-cleanup", grace=0)
 
 
 def escaper_rows(root_mgr: TurnManager, state_root: str) -> dict[str, tuple[int, int]]:
     import escapers
 
     caught = {"cgroup2": 0, "registry": 0, "psutil": 0}
-    total = len(escapers.ESCAPERS)
-    for start in escapers.ESCAPERS.values():
-        caught["cgroup2"] += _caught_by_cgturn(root_mgr, start, escapers.cleanup)
+    for name in escapers.NAMES:
+        caught["cgroup2"] += _caught_by_cgturn(root_mgr, name)
         with registry_manager(state_root) as reg:
-            caught["registry"] += _caught_by_cgturn(reg, start, escapers.cleanup)
-        with tempfile.TemporaryDirectory() as work:
-            turn = root_mgr.begin_turn("bench-escape")
-            try:
-                rec = _Recording(turn)
-                pid = start(rec, work)
-                for launcher in rec.launched:   # the recipe, applied to what we started
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        parent = psutil.Process(launcher)
-                        for p in parent.children(recursive=True) + [parent]:
-                            with contextlib.suppress(psutil.NoSuchProcess):
-                                p.kill()
-                caught["psutil"] += _gone(pid, timeout=0.5)
-            finally:
-                escapers.cleanup(work)
-                turn.abandon("bench-cleanup", grace=0)
-    return {k: (v, total) for k, v in caught.items()}
+            caught["registry"] += _caught_by_cgturn(reg, name)
+        caught["psutil"] += _caught_by_psutil(root_mgr, name)
+    return {k: (v, len(escapers.NAMES)) for k, v in caught.items()}
 
 
 # --- spawn cost, churn, listing --------------------------------------------------------------------

@@ -1,109 +1,134 @@
-"""Real escapers: programs that leave their parent's process tree, as daemons do.
+"""Escaper recipes shared by the tests (both backends, torture) and scripts/bench.py.
 
-Each escaper is started inside a turn with `start(turn, workdir)` and returns the pid of the process
-that escaped (read from a pid file it writes), after the launcher has exited. `cleanup(workdir)` undoes
-anything that lives outside the process tree's reach (a tmux server socket).
+Each recipe is a command that leaves a long-lived process behind that is no longer a descendant of
+the command (double fork, setsid, a daemonizing server). Every leftover carries a unique marker in
+its command line, so a test finds exactly the processes it started and nothing else.
 """
 from __future__ import annotations
 
 import os
+import secrets
+import signal
+import subprocess
 import sys
-import textwrap
+import time
+from dataclasses import dataclass
 
-from conftest import wait_until
+from cgturn.kernel import procfs
 
-PY = sys.executable
-
-DOUBLE_FORK = textwrap.dedent("""
-    import os, sys, time
-    if os.fork() == 0:
-        os.setsid()
-        if os.fork() == 0:
-            with open(sys.argv[1], "w") as f:
-                f.write(str(os.getpid()))
-            time.sleep(300)
-        os._exit(0)
-    os.wait()
-""")
+DOUBLE_FORK = ("import os, sys\n"
+               "if os.fork(): os._exit(0)\n"
+               "os.setsid()\n"
+               "if os.fork(): os._exit(0)\n"
+               "os.execvp('sleep', ['sleep', sys.argv[1]])\n")
 
 
-def _pidfile(workdir: str, name: str) -> str:
-    return os.path.join(workdir, f"{name}.pid")
+@dataclass
+class Escaper:
+    name: str
+    argv: list[str]
+    marker: str          # substring of the leftover processes' command lines
+    leftovers: int = 1   # how many marked processes the recipe leaves running
+    cleanup: list[str] | None = None  # command that undoes it (tmux kill-server)
+    log: str = "/dev/null"  # where the launcher's stderr goes
+    status: int | None = None  # the launcher's exit status once launched
+    # Program every leftover finally runs, when an intermediate image (`env -i`) also carries the
+    # marker: launch() waits for the exec so membership is judged on the final process.
+    final: str | None = None
 
 
-def _read_pid(path: str, timeout: float = 10.0) -> int:
-    def ready():
-        try:
-            with open(path) as f:
-                return f.read().strip().isdigit()
-        except FileNotFoundError:
+def _duration() -> str:
+    """A unique sleep duration (GNU sleep takes fractions): the marker of one leftover."""
+    return f"300.{secrets.randbelow(10**8):08d}"
+
+
+# Every recipe's name; `env_cleared` is the one the registry cannot catch (cgroup2 catches all).
+NAMES = ("double_fork_setsid", "setsid_f", "nohup_disown", "tmux", "ssh_agent", "start_stop_daemon",
+         "env_cleared")
+
+
+def recipes(tmpdir: str) -> dict[str, Escaper]:
+    """Every escaper, with fresh markers. `env_cleared` is the one the registry cannot catch."""
+    out = {}
+    d = _duration()
+    out["double_fork_setsid"] = Escaper("double_fork_setsid", [sys.executable, "-c", DOUBLE_FORK, d], d)
+    d = _duration()
+    out["setsid_f"] = Escaper("setsid_f", ["setsid", "-f", "sleep", d], d)
+    d = _duration()
+    out["nohup_disown"] = Escaper("nohup_disown",
+                                  ["bash", "-c", f"nohup sleep {d} >/dev/null 2>&1 & disown; exit 0"], d)
+    sock = f"cgturn-test-{secrets.token_hex(5)}"
+    d = _duration()
+    out["tmux"] = Escaper("tmux", ["tmux", "-L", sock, "-f", "/dev/null", "new-session", "-d", "sleep", d], d,
+                          leftovers=2, cleanup=["tmux", "-L", sock, "kill-server"])
+    agent_sock = os.path.join(tmpdir, f"agent-{secrets.token_hex(5)}.sock")
+    out["ssh_agent"] = Escaper("ssh_agent", ["ssh-agent", "-a", agent_sock], agent_sock)
+    d = _duration()
+    pidfile = os.path.join(tmpdir, f"ssd-{secrets.token_hex(5)}.pid")
+    # --pidfile: without it start-stop-daemon matches *any* running /bin/sleep and refuses to start.
+    out["start_stop_daemon"] = Escaper("start_stop_daemon",
+                                       ["start-stop-daemon", "--start", "--background", "--make-pidfile",
+                                        "--pidfile", pidfile, "--exec", "/bin/sleep", "--", d], d)
+    d = _duration()
+    out["env_cleared"] = Escaper("env_cleared", ["setsid", "-f", "env", "-i", "sleep", d], d, final="sleep")
+    for name, recipe in out.items():
+        recipe.log = os.path.join(tmpdir, f"launch-{name}-{secrets.token_hex(3)}.err")
+    return out
+
+
+def find_marked(marker: str) -> list[int]:
+    """Live pids whose command line contains `marker` (never the caller or its ancestors)."""
+    skip = procfs.protected_pids()
+    out = []
+    for pid in procfs.all_pids():
+        if pid in skip or marker not in procfs.cmdline(pid):
+            continue
+        st = procfs.stat(pid)
+        if st is not None and st.state not in ("Z", "X"):
+            out.append(pid)
+    return sorted(out)
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
             return False
-    if not wait_until(ready, timeout):
-        raise AssertionError(f"escaper never wrote {path}")
-    with open(path) as f:
-        return int(f.read().strip())
+        time.sleep(0.005)
+    return True
 
 
-def double_fork(turn, workdir):
-    pf = _pidfile(workdir, "double_fork")
-    turn.spawn([PY, "-c", DOUBLE_FORK, pf]).wait()
-    return _read_pid(pf)
+def launch(turn, esc: Escaper, timeout: float = 10.0) -> list[int]:
+    """Run the recipe in `turn`, wait for the launcher to exit and the leftovers to appear."""
+    # stderr to a file, not a pipe: the leftovers inherit it and would hold a pipe open.
+    with open(esc.log, "wb") as err:
+        proc = turn.spawn(esc.argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+    esc.status = proc.wait(timeout=timeout)
+    wait_for(lambda: len(find_marked(esc.marker)) >= esc.leftovers, timeout)
+    if esc.final is not None:
+        wait_for(lambda: all(os.path.basename(procfs.cmdline(pid).split(" ")[0]) == esc.final
+                             for pid in find_marked(esc.marker)), timeout)
+    return find_marked(esc.marker)
 
 
-def setsid_f(turn, workdir):
-    pf = _pidfile(workdir, "setsid_f")
-    turn.spawn(["setsid", "-f", "sh", "-c", f'echo $$ > {pf}; exec sleep 300']).wait()
-    return _read_pid(pf)
+def explain(esc: Escaper) -> str:
+    """What the launcher said, for assertion messages."""
+    try:
+        with open(esc.log, "rb") as f:
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        text = ""
+    return f"{esc.name}: launcher exit {esc.status}, stderr {text!r}"
 
 
-def nohup_disown(turn, workdir):
-    pf = _pidfile(workdir, "nohup")
-    script = f'nohup sh -c "echo \\$\\$ > {pf}; exec sleep 300" >/dev/null 2>&1 & disown; exit 0'
-    turn.spawn(["bash", "-c", script]).wait()
-    return _read_pid(pf)
-
-
-def tmux_server(turn, workdir):
-    sock = os.path.join(workdir, "tmux.sock")
-    turn.spawn(["tmux", "-S", sock, "new-session", "-d", "sleep 300"]).wait()
-    pf = _pidfile(workdir, "tmux")
-    # The server's pid, as tmux reports it; asking it runs a client, which is harmless.
-    out = os.popen(f"tmux -S {sock} display-message -p '#{{pid}}'").read().strip()
-    with open(pf, "w") as f:
-        f.write(out)
-    return _read_pid(pf)
-
-
-def ssh_agent(turn, workdir):
-    pf = _pidfile(workdir, "ssh_agent")
-    sock = os.path.join(workdir, "agent.sock")
-    p = turn.spawn(["ssh-agent", "-s", "-a", sock], stdout=__import__("subprocess").PIPE, text=True)
-    out, _ = p.communicate(timeout=10)
-    pid = next(part.split("=")[1] for part in out.replace(";", "\n").split() if part.startswith("SSH_AGENT_PID="))
-    with open(pf, "w") as f:
-        f.write(pid)
-    return _read_pid(pf)
-
-
-def start_stop_daemon(turn, workdir):
-    pf = _pidfile(workdir, "ssd")
-    turn.spawn(["start-stop-daemon", "--start", "--background", "--make-pidfile", "--pidfile", pf,
-                "--exec", "/bin/sleep", "--", "300"]).wait()
-    return _read_pid(pf)
-
-
-ESCAPERS = {
-    "double_fork": double_fork,
-    "setsid_f": setsid_f,
-    "nohup_disown": nohup_disown,
-    "tmux": tmux_server,
-    "ssh_agent": ssh_agent,
-    "start_stop_daemon": start_stop_daemon,
-}
-
-
-def cleanup(workdir: str) -> None:
-    """Stop the tmux server of `workdir`'s socket if one is still up (only ours: its own socket)."""
-    sock = os.path.join(workdir, "tmux.sock")
-    if os.path.exists(sock):
-        os.system(f"tmux -S {sock} kill-server >/dev/null 2>&1")
+def destroy(esc: Escaper) -> None:
+    """Kill whatever the recipe left (only processes carrying its unique marker)."""
+    if esc.cleanup:
+        subprocess.run(esc.cleanup, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10)
+    for _ in range(3):
+        pids = find_marked(esc.marker)
+        if not pids:
+            return
+        for pid in pids:
+            procfs.signal_pid(pid, signal.SIGKILL, procfs.start_time(pid))
+        wait_for(lambda: not find_marked(esc.marker), 2.0)

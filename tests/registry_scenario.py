@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import registry_escapers as esc  # noqa: E402
+import escapers as esc  # noqa: E402
 from cgturn.kernel import procfs  # noqa: E402
 from cgturn.manager import TurnManager  # noqa: E402
 

@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import threading
 
@@ -99,9 +98,10 @@ def test_process_is_in_the_turn_before_its_first_instruction_even_with_threads(m
     turn.complete()
 
 
-@pytest.mark.parametrize("name", list(escapers.ESCAPERS))
+@pytest.mark.parametrize("name", escapers.NAMES)
 @pytest.mark.parametrize("use_cgroup_kill", [True, False], ids=["cgroup.kill", "freeze-fallback"])
 def test_abandon_kills_every_escaper(mgr, tmp_path, name, use_cgroup_kill, bystanders):
+    """Every escaper, the environment-clearing one included: membership is the cgroup."""
     mgr.backend.cgroup_kill_works = use_cgroup_kill
     before = bystanders("sleep", "300")
     done_turn = mgr.begin_turn("task", "done")
@@ -110,16 +110,17 @@ def test_abandon_kills_every_escaper(mgr, tmp_path, name, use_cgroup_kill, bysta
     other = mgr.begin_turn("other-task")
     keeper = other.spawn(["sleep", "300"])
     turn = mgr.begin_turn("task", "abandoned")
+    recipe = escapers.recipes(str(tmp_path))[name]
     try:
-        pid = escapers.ESCAPERS[name](turn, str(tmp_path))
-        assert alive(pid)
-        assert pid in turn.pids()
+        pids = escapers.launch(turn, recipe)
+        assert len(pids) == recipe.leftovers, escapers.explain(recipe)
+        assert set(pids) <= set(turn.pids())
         result = turn.abandon("stop", grace=0.5)
-        assert pid in result.killed
-        assert wait_until(lambda: not alive(pid))
+        assert set(pids) <= set(result.killed)
+        assert wait_until(lambda: not any(alive(pid) for pid in pids))
         assert before.poll() is None and survivor.poll() is None and keeper.poll() is None
     finally:
-        escapers.cleanup(str(tmp_path))
+        escapers.destroy(recipe)
         mgr.end_task("task")
         mgr.end_task("other-task")
 

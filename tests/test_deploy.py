@@ -9,7 +9,6 @@ import pwd
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import uuid
 

@@ -1,5 +1,4 @@
 """Turn lifecycle on both backends (the `manager` fixture is parametrised): real processes throughout."""
-import os
 import signal
 import subprocess
 import sys

@@ -11,12 +11,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-import registry_escapers as esc
+import escapers as esc
 from cgturn.backends.reaper import is_child_subreaper
 from cgturn.backends.registry import RegistryBackend
 from cgturn.errors import TurnExists, UnsafeOperation

@@ -5,14 +5,13 @@ import os
 import signal
 import subprocess
 import textwrap
-import time
 import uuid
 
 import pytest
 
 from cgturn import sentinel
 from cgturn.manager import TurnManager
-from conftest import CGROUP2_MOUNT, PY, alive, destroy_cgroup_tree, kill_scope, need_cgroup2, wait_until
+from conftest import PY, alive, destroy_cgroup_tree, kill_scope, need_cgroup2, wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -52,8 +52,9 @@ def test_pid_hopping_chains_and_every_escaper_at_once_all_die(mgr, tmp_path, bys
     keep = mgr.begin_turn("keep")
     kept = keep.spawn(["sleep", "300"])
     turn = mgr.begin_turn("torture")
+    recipes = escapers.recipes(str(tmp_path))
     try:
-        escaped = [start(turn, str(tmp_path)) for start in escapers.ESCAPERS.values()]
+        escaped = [pid for recipe in recipes.values() for pid in escapers.launch(turn, recipe)]
         hopper = turn.spawn([PY, "-c", PID_HOPPER], stdout=subprocess.PIPE, text=True)
         assert hopper.stdout.readline() == "go\n"
         assert all(pid in turn.pids() for pid in escaped)
@@ -64,7 +65,8 @@ def test_pid_hopping_chains_and_every_escaper_at_once_all_die(mgr, tmp_path, bys
         hopper.wait(timeout=10)
         assert before.poll() is None and kept.poll() is None
     finally:
-        escapers.cleanup(str(tmp_path))
+        for recipe in recipes.values():
+            escapers.destroy(recipe)
     keep.abandon("done", grace=0)
 
 
