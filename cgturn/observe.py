@@ -122,8 +122,11 @@ def rss_bytes(pids: list[int]) -> int | None:
     total, seen = 0, False
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/statm", "rb") as f:
-                total += int(f.read().split()[1]) * PAGE_SIZE
+            fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+            try:
+                total += int(os.read(fd, 256).split()[1]) * PAGE_SIZE
+            finally:
+                os.close(fd)
             seen = True
         except (OSError, ValueError, IndexError):
             continue
