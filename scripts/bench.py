@@ -32,7 +32,6 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # tests/escapers.py: the 
 import psutil  # noqa: E402
 
 from cgturn.kernel import discovery  # noqa: E402
-from bench_abandon import _dead  # noqa: E402  (zombie or gone: the psutil recipe's "dead")
 from cgturn.manager import TurnManager  # noqa: E402
 
 SHIM = 'echo $$ > "$0" || exit 125; exec "$@"'
@@ -166,6 +165,14 @@ class _Recording:
         p = self.turn.spawn(argv, **kw)
         self.launched.append(p.pid)
         return p
+
+
+def _dead(p: psutil.Process) -> bool:
+    """Zombie or gone: the moment the psutil recipe's victim is dead (reaping is PID 1's business)."""
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _gone(pid: int, timeout: float = 5.0) -> bool:
