@@ -370,6 +370,19 @@ class Turn:
         rec = self.record
         return f"<Turn {rec.task_id!r}/{rec.turn_id!r} {rec.state} on {self._manager.backend.name}>"
 
+    @property
+    def environment(self) -> dict[str, str]:
+        """The variables every process of the turn gets: CGTURN_TASK, CGTURN_TURN, CGTURN_SCOPE."""
+        return self._manager.backend.env_for(self._record)
+
+    def wait_empty(self, timeout: float) -> bool:
+        """Wait until no process of the turn is left; True if that happened within `timeout` s.
+
+        Event-driven on cgroup v2 (`populated 0` in cgroup.events): exact even when a grandchild
+        still holds the stdout pipe that makes "has the command finished?" look false.
+        """
+        return self._manager.backend.wait_empty(self._record, timeout)
+
     def pids(self) -> list[int]:
         """Pids of the turn's live processes."""
         return sorted(pid for pid, _ in self._manager.backend.members(self._record))

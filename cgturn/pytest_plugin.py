@@ -18,7 +18,6 @@ adopted into the turn before it is killed.
 from __future__ import annotations
 
 import os
-import time
 import uuid
 
 import pytest
@@ -36,7 +35,6 @@ TASK = "pytest"
 REPORT_KEY = "cgturn_leaks"
 ROOT_PREFIX = "cgturn-pytest-"
 DEFAULT_SETTLE = 0.5
-SETTLE_POLL = 0.01
 
 
 def pytest_addoption(parser):
@@ -144,8 +142,7 @@ class LeakGuard:
         if turn is None:
             self._set_env({name: None for name in (ENV_TASK, ENV_TURN, ENV_SCOPE)})
         else:
-            rec = turn.record
-            self._set_env({ENV_TASK: rec.task_key, ENV_TURN: rec.turn_key, ENV_SCOPE: self.mgr.backend.scope})
+            self._set_env(turn.environment)
 
     def _push(self, turn: Turn) -> None:
         self._inside.append(turn)
@@ -185,11 +182,8 @@ class LeakGuard:
                     turn.adopt(pid)
                 except CgturnError:
                     pass  # it exited meanwhile
-        deadline = time.monotonic() + self.settle
+        turn.wait_empty(self.settle)
         pids = turn.pids()
-        while pids and time.monotonic() < deadline:
-            time.sleep(SETTLE_POLL)  # polling: the ownership layer has no public wait_empty
-            pids = turn.pids()
         commands = {pid: procfs.cmdline(pid) for pid in pids}
         result = turn.abandon("pytest-leak", grace=0, force=True)
         killed = sorted(set(result.killed) | set(commands))

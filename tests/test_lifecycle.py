@@ -236,3 +236,15 @@ def test_a_command_wrapped_in_setpriv_runs_unprivileged_inside_the_turn(manager)
                      stdout=subprocess.PIPE, text=True).communicate(timeout=10)[0]
     assert out.strip() == "65534"
     turn.complete()
+
+
+def test_wait_empty_answers_when_the_last_process_is_gone(manager):
+    """Exact even when a grandchild outlives the command (the 'is it finished?' trap of pipes)."""
+    turn = manager.begin_turn("wait-empty")
+    p = turn.spawn(["sh", "-c", "sleep 0.3 & exit 0"])
+    assert p.wait(timeout=10) == 0          # the command is done ...
+    assert turn.pids()                      # ... but its grandchild is not
+    assert turn.wait_empty(10) is True
+    assert turn.pids() == []
+    assert turn.environment["CGTURN_TURN"] == turn.record.turn_key
+    turn.complete()

@@ -49,6 +49,10 @@ class Backend(abc.ABC):
     def location(self) -> str:
         """What to show users as where turns live (managed root, or the registry database)."""
 
+    def env_for(self, record: TurnRecord) -> dict[str, str]:
+        """The environment that ties a process (and what it leaves behind) to its turn."""
+        return {ENV_TASK: record.task_key, ENV_TURN: record.turn_key, ENV_SCOPE: self.scope}
+
     # --- records and state ------------------------------------------------------------------------
 
     @abc.abstractmethod

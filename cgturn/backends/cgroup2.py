@@ -135,9 +135,6 @@ class Cgroup2Backend(Backend):
 
     # --- membership -------------------------------------------------------------------------------
 
-    def env_for(self, record: TurnRecord) -> dict[str, str]:
-        return {ENV_TASK: record.task_key, ENV_TURN: record.turn_key, ENV_SCOPE: self.scope}
-
     def spawn(self, record, argv, popen_kwargs) -> subprocess.Popen:
         argv, program, kwargs = prepare_spawn(argv, popen_kwargs)
         gate = self.gates.open()

@@ -37,7 +37,7 @@ from typing import Callable, Iterable
 from ..errors import TurnExists, translate
 from ..kernel import procfs
 from ..model import COMPLETED, TurnRecord
-from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, turn_tag, with_environment
+from .base import Backend, Member, prepare_spawn, turn_tag, with_environment
 from .reaper import SPAWN_LOCK, OrphanReaper, acquire_subreaper, note_spawned, release_subreaper
 from .registry_db import RegistryDatabase
 
@@ -130,10 +130,6 @@ class RegistryBackend(Backend):
     @property
     def location(self) -> str:
         return self.db_path
-
-    def env_for(self, record: TurnRecord) -> dict[str, str]:
-        """The environment that ties a process (and what it leaves behind) to its turn."""
-        return {ENV_TASK: record.task_key, ENV_TURN: record.turn_key, ENV_SCOPE: self.scope}
 
     # --- records and state ------------------------------------------------------------------------
 
