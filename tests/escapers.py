@@ -32,8 +32,10 @@ class Escaper:
     cleanup: list[str] | None = None  # command that undoes it (tmux kill-server)
     log: str = "/dev/null"  # where the launcher's stderr goes
     status: int | None = None  # the launcher's exit status once launched
-    # Program every leftover finally runs, when an intermediate image (`env -i`) also carries the
-    # marker: launch() waits for the exec so membership is judged on the final process.
+    # Program every leftover finally runs, when an intermediate image (the launcher, `env -i`) also
+    # carries the marker: launch() waits for that exec, so membership is judged on the final process
+    # (mid-exec, /proc/PID/environ reads empty for a moment). Without it, launch() waits until each
+    # leftover shows an environment.
     final: str | None = None
 
 
@@ -51,12 +53,14 @@ def recipes(tmpdir: str) -> dict[str, Escaper]:
     """Every escaper, with fresh markers. `env_cleared` is the one the registry cannot catch."""
     out = {}
     d = _duration()
-    out["double_fork_setsid"] = Escaper("double_fork_setsid", [sys.executable, "-c", DOUBLE_FORK, d], d)
+    out["double_fork_setsid"] = Escaper("double_fork_setsid", [sys.executable, "-c", DOUBLE_FORK, d], d,
+                                        final="sleep")
     d = _duration()
-    out["setsid_f"] = Escaper("setsid_f", ["setsid", "-f", "sleep", d], d)
+    out["setsid_f"] = Escaper("setsid_f", ["setsid", "-f", "sleep", d], d, final="sleep")
     d = _duration()
     out["nohup_disown"] = Escaper("nohup_disown",
-                                  ["bash", "-c", f"nohup sleep {d} >/dev/null 2>&1 & disown; exit 0"], d)
+                                  ["bash", "-c", f"nohup sleep {d} >/dev/null 2>&1 & disown; exit 0"], d,
+                                  final="sleep")
     sock = f"cgturn-test-{secrets.token_hex(5)}"
     d = _duration()
     out["tmux"] = Escaper("tmux", ["tmux", "-L", sock, "-f", "/dev/null", "new-session", "-d", "sleep", d], d,
@@ -68,7 +72,8 @@ def recipes(tmpdir: str) -> dict[str, Escaper]:
     # --pidfile: without it start-stop-daemon matches *any* running /bin/sleep and refuses to start.
     out["start_stop_daemon"] = Escaper("start_stop_daemon",
                                        ["start-stop-daemon", "--start", "--background", "--make-pidfile",
-                                        "--pidfile", pidfile, "--exec", "/bin/sleep", "--", d], d)
+                                        "--pidfile", pidfile, "--exec", "/bin/sleep", "--", d], d,
+                                       final="sleep")
     d = _duration()
     out["env_cleared"] = Escaper("env_cleared", ["setsid", "-f", "env", "-i", "sleep", d], d, final="sleep")
     for name, recipe in out.items():
@@ -108,6 +113,8 @@ def launch(turn, esc: Escaper, timeout: float = 10.0) -> list[int]:
     if esc.final is not None:
         wait_for(lambda: all(os.path.basename(procfs.cmdline(pid).split(" ")[0]) == esc.final
                              for pid in find_marked(esc.marker)), timeout)
+    else:
+        wait_for(lambda: all(procfs.environ(pid) for pid in find_marked(esc.marker)), timeout)
     return find_marked(esc.marker)
 
 
