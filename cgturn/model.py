@@ -36,6 +36,16 @@ class TurnRecord:
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
+    def advance(self, allowed_from, to_state: str, updates: dict) -> bool:
+        """Apply a state change in place if the current state allows it (the caller holds the lock
+        that makes read-check-write atomic). True if it was applied."""
+        if self.state not in allowed_from:
+            return False
+        self.state = to_state
+        for name, value in updates.items():
+            setattr(self, name, value)
+        return True
+
     @classmethod
     def from_json(cls, data: dict) -> "TurnRecord":
         """Build from stored JSON, ignoring fields this version does not know."""

@@ -124,6 +124,34 @@ def kill_scope(scope: str) -> None:
             return
 
 
+def destroy_registry(mgr) -> None:
+    """Teardown of a registry-backend manager: end its tasks, close it, kill what carries its scope."""
+    scope = mgr.backend.scope
+    for rec in mgr.backend.records():
+        try:
+            mgr.end_task(rec.task_id)
+        except Exception:  # noqa: BLE001 - teardown must go on
+            pass
+    mgr.close()
+    kill_scope(scope)
+
+
+@pytest.fixture
+def cgroup2_manager(cgroup2_root, state_dir):
+    """A cgroup2-backend TurnManager in its own test root (destroyed by `cgroup2_root`)."""
+    from cgturn.manager import TurnManager
+
+    mgr = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir)
+    yield mgr
+    mgr.close()
+
+
+def turn_dir(mgr, turn) -> str:
+    """The cgroup directory of a cgroup2 turn."""
+    rec = turn.record
+    return os.path.join(mgr.backend.root.path, rec.task_key, rec.turn_key)
+
+
 @pytest.fixture(params=["cgroup2", "registry"])
 def manager(request, tmp_path):
     """A TurnManager on each backend, torn down completely (processes and cgroups)."""
@@ -144,14 +172,7 @@ def manager(request, tmp_path):
         try:
             yield mgr
         finally:
-            scope = mgr.backend.scope
-            for rec in mgr.backend.records():
-                try:
-                    mgr.end_task(rec.task_id)
-                except Exception:  # noqa: BLE001 - teardown must go on
-                    pass
-            mgr.close()
-            kill_scope(scope)
+            destroy_registry(mgr)
 
 
 @pytest.fixture

@@ -14,20 +14,12 @@ from cgturn.backends.metadata import XATTR_KEY
 from cgturn.errors import NoSuchTurn, UnsafeOperation
 from cgturn.kernel import procfs
 from cgturn.kernel.cgroupfs import Cgroup
-from cgturn.manager import TurnManager
-from conftest import PY, alive, wait_until
+from conftest import PY, alive, turn_dir, wait_until
 
 
 @pytest.fixture
-def mgr(cgroup2_root, state_dir):
-    m = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir)
-    yield m
-    m.close()
-
-
-def turn_dir(mgr, turn) -> str:
-    rec = turn.record
-    return os.path.join(mgr.backend.root.path, rec.task_key, rec.turn_key)
+def mgr(cgroup2_manager):
+    return cgroup2_manager
 
 
 def test_layout_and_metadata_live_on_the_cgroup(mgr):

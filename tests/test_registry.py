@@ -22,7 +22,7 @@ from cgturn.errors import TurnExists, UnsafeOperation
 from cgturn.kernel import procfs
 from cgturn.manager import TurnManager
 from cgturn.model import ABANDONED, RUNNING, TurnRecord
-from conftest import PY, alive, kill_scope, wait_until
+from conftest import PY, alive, destroy_registry, kill_scope, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -51,14 +51,7 @@ def registry(tmp_path):
 
     yield make
     for mgr in made:
-        scope = mgr.backend.scope
-        for rec in mgr.backend.records():
-            try:
-                mgr.end_task(rec.task_id)
-            except Exception:  # noqa: BLE001 - teardown must go on
-                pass
-        mgr.close()
-        kill_scope(scope)
+        destroy_registry(mgr)
 
 
 @pytest.fixture

@@ -125,11 +125,8 @@ class Cgroup2Backend(Backend):
             if not present:
                 return False, None
             rec = self.meta.load(cg)
-            if rec is None or rec.state not in allowed_from:
+            if rec is None or not rec.advance(allowed_from, to_state, updates):
                 return False, rec
-            rec.state = to_state
-            for name, value in updates.items():
-                setattr(rec, name, value)
             self.meta.save(cg, rec)
             return True, rec
 

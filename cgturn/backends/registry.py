@@ -155,14 +155,10 @@ class RegistryBackend(Backend):
         return [self.db.to_record(row) for row in rows]
 
     def transition(self, task_key, turn_key, allowed_from: Iterable[str], to_state, updates):
-        allowed = set(allowed_from)
         with self.db.write() as conn:
             rec = self.db.load(conn, task_key, turn_key)
-            if rec is None or rec.state not in allowed:
+            if rec is None or not rec.advance(set(allowed_from), to_state, updates):
                 return False, rec
-            rec.state = to_state
-            for name, value in updates.items():
-                setattr(rec, name, value)
             self.db.save(conn, rec)
             return True, rec
 

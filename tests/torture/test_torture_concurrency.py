@@ -13,7 +13,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cgturn import ids
-from cgturn.manager import TurnManager
 from conftest import alive, wait_until
 
 TURNS = 200
@@ -21,10 +20,8 @@ WORKERS = 8
 
 
 @pytest.fixture
-def mgr(cgroup2_root, state_dir):
-    m = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir)
-    yield m
-    m.close()
+def mgr(cgroup2_manager):
+    return cgroup2_manager
 
 
 def leftover_cgroups(root: str) -> list[str]:

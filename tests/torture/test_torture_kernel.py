@@ -13,20 +13,12 @@ import textwrap
 import pytest
 
 import escapers
-from cgturn.manager import TurnManager
-from conftest import PY, alive, wait_until
+from conftest import PY, alive, turn_dir, wait_until
 
 
 @pytest.fixture
-def mgr(cgroup2_root, state_dir):
-    m = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir)
-    yield m
-    m.close()
-
-
-def turn_path(mgr, turn) -> str:
-    rec = turn.record
-    return os.path.join(mgr.backend.root.path, rec.task_key, rec.turn_key)
+def mgr(cgroup2_manager):
+    return cgroup2_manager
 
 
 # Each process forks a child and exits at once, so no pid lives long: a tree walk chases ghosts.
@@ -60,7 +52,7 @@ def test_pid_hopping_chains_and_every_escaper_at_once_all_die(mgr, tmp_path, bys
         assert all(pid in turn.pids() for pid in escaped)
         result = turn.abandon("torture", grace=0)
         assert set(escaped) <= set(result.killed)
-        assert not os.path.exists(turn_path(mgr, turn))
+        assert not os.path.exists(turn_dir(mgr, turn))
         assert wait_until(lambda: not any(alive(pid) for pid in escaped))
         hopper.wait(timeout=10)
         assert before.poll() is None and kept.poll() is None
@@ -101,7 +93,7 @@ def test_nested_frozen_locked_sub_cgroups_still_die_with_cgroup_kill(mgr):
     result = turn.abandon("x", grace=0)
     assert set(hidden) | {p.pid} <= set(result.killed)
     assert wait_until(lambda: not any(alive(pid) for pid in hidden))
-    assert not os.path.exists(turn_path(mgr, turn))
+    assert not os.path.exists(turn_dir(mgr, turn))
 
 
 # The payload makes a threaded sub-cgroup (the turn becomes its "domain threaded" root) and moves a
@@ -136,7 +128,7 @@ def test_threaded_sub_cgroup_in_a_turn_is_still_killed(mgr, use_cgroup_kill):
     result = turn.abandon("x", grace=0)
     assert p.pid in result.killed
     assert p.wait(timeout=10) == -9
-    assert not os.path.exists(turn_path(mgr, turn))
+    assert not os.path.exists(turn_dir(mgr, turn))
 
 
 ZOMBIE_HOLDER = textwrap.dedent("""
@@ -163,7 +155,7 @@ def test_parent_holding_zombies_dies_and_the_turn_empties(mgr):
     result = turn.abandon("x", grace=0.5)
     assert result.killed == [p.pid]
     assert p.wait(timeout=10) in (-9, -15)
-    assert not os.path.exists(turn_path(mgr, turn))
+    assert not os.path.exists(turn_dir(mgr, turn))
 
 
 ESCAPE = 'echo $$ > "$1" && echo escaped || echo refused; grep "^0::" /proc/$$/cgroup'
@@ -179,8 +171,8 @@ def test_unprivileged_turn_process_cannot_leave_but_root_can(mgr):
     """Escape by privilege: only a privileged process can write its pid into another cgroup."""
     elsewhere = mgr.begin_turn("elsewhere")
     turn = mgr.begin_turn("jail")
-    inside = "0::" + turn_path(mgr, turn)[len(mgr.host.cgroup2_mount):]
-    targets = [os.path.join(turn_path(mgr, elsewhere), "cgroup.procs"),
+    inside = "0::" + turn_dir(mgr, turn)[len(mgr.host.cgroup2_mount):]
+    targets = [os.path.join(turn_dir(mgr, elsewhere), "cgroup.procs"),
                os.path.join(mgr.backend.root.path, "cgroup.procs")]
     for target in targets:
         verdict, where = _try_escape(turn, target, "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
