@@ -397,10 +397,8 @@ class Turn:
             NoSuchTurn: the turn is no longer running (completed or abandoned).
             FileNotFoundError / PermissionError: as Popen, for a missing or non-executable program.
         """
-        rec = self.record
-        if rec.state != RUNNING:
-            raise NoSuchTurn(f"turn {rec.turn_id!r} of task {rec.task_id!r} is {rec.state}; cannot spawn")
-        return self._manager.backend.spawn(rec, argv, popen_kwargs)
+        # The backend checks that the turn is still running, at the moment that makes it race-free.
+        return self._manager.backend.spawn(self._record, argv, popen_kwargs)
 
     def adopt(self, pid: int) -> None:
         """Move an existing process into the turn (its future children follow it)."""

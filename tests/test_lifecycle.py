@@ -248,3 +248,32 @@ def test_wait_empty_answers_when_the_last_process_is_gone(manager):
     assert turn.pids() == []
     assert turn.environment["CGTURN_TURN"] == turn.record.turn_key
     turn.complete()
+
+
+def test_spawns_racing_an_abandon_leave_nothing_running(manager):
+    """A worker thread keeps spawning while the turn is abandoned: every process it got is killed,
+    and once the turn is abandoned spawn refuses (NoSuchTurn), never runs outside it."""
+    import threading
+
+    turn = manager.begin_turn("race-spawn")
+    started, errors, refused = [], [], threading.Event()
+
+    def spawner():
+        for _ in range(200):
+            try:
+                started.append(turn.spawn(SLEEP))
+            except NoSuchTurn:
+                refused.set()
+                return
+            except Exception as err:  # noqa: BLE001 - reported below
+                errors.append(err)
+                return
+
+    worker = threading.Thread(target=spawner)
+    worker.start()
+    assert wait_until(lambda: len(started) >= 3)
+    turn.abandon("race", grace=0)
+    worker.join(60)
+    assert not errors and refused.is_set()
+    for p in started:
+        assert p.wait(timeout=15) is not None

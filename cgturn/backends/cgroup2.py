@@ -25,7 +25,7 @@ from ..errors import NoSuchTurn, TurnExists, UnsafeOperation, translate
 from ..kernel import parsers, procfs
 from ..kernel.cgroupfs import CPU_STAT_FILE, MEMORY_CURRENT_FILE, STAT_FILE, Cgroup, KillUnsupported, read_text, walk_tree
 from ..kernel.discovery import own_cgroup_dir
-from ..model import COMPLETED, TurnRecord, TurnView
+from ..model import COMPLETED, RUNNING, TurnRecord, TurnView
 from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn
 from .gates import SpawnGates, gate_directory
 from .metadata import MetadataStore, locked
@@ -141,19 +141,30 @@ class Cgroup2Backend(Backend):
         except BaseException:
             self.gates.discard(gate)
             raise
+        cg = self._cg(record)
         try:
             # Our unreaped child, blocked on its gate: its pid cannot have been recycled.
-            self._cg(record).move_in(proc.pid)
-        except BaseException as err:
-            self.gates.discard(gate)  # the shim reads EOF and exits 125 without running the target
-            proc.kill()
-            proc.wait()
-            if isinstance(err, FileNotFoundError):
-                raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} ended while "
-                                 f"spawning") from None
+            cg.move_in(proc.pid)
+            # Checked after the move: an abandon marks the turn before it kills, so either we see
+            # the mark here, or its kill comes after our move and takes the shim with it.
+            current = self.meta.load(cg)
+            joined = current is not None and current.state == RUNNING
+        except FileNotFoundError:
+            joined = False
+        except BaseException:
+            self._abort_spawn(gate, proc)
             raise
+        if not joined:
+            self._abort_spawn(gate, proc)
+            raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} ended while spawning")
         self.gates.release(gate, proc.pid)
         return proc
+
+    def _abort_spawn(self, gate, proc: subprocess.Popen) -> None:
+        """Close the gate unopened (the shim reads EOF and exits 125 without running the target)."""
+        self.gates.discard(gate)
+        proc.kill()
+        proc.wait()
 
     def close(self) -> None:
         self.gates.close()

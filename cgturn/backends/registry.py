@@ -34,9 +34,9 @@ import subprocess
 import time
 from typing import Callable, Iterable
 
-from ..errors import TurnExists, translate
+from ..errors import NoSuchTurn, TurnExists, translate
 from ..kernel import procfs
-from ..model import COMPLETED, TurnRecord
+from ..model import COMPLETED, RUNNING, TurnRecord
 from .base import Backend, Member, prepare_spawn, turn_tag, with_environment
 from .reaper import SPAWN_LOCK, OrphanReaper, acquire_subreaper, note_spawned, release_subreaper
 from .registry_db import RegistryDatabase
@@ -167,6 +167,11 @@ class RegistryBackend(Backend):
     def spawn(self, record, argv, popen_kwargs) -> subprocess.Popen:
         argv, program, kwargs = prepare_spawn(argv, popen_kwargs)
         kwargs = with_environment(kwargs, self.env_for(record))
+        current = self.load(record.task_key, record.turn_key)
+        if current is None or current.state != RUNNING:
+            # An abandon racing this check still finds the process: its kill re-collects members
+            # until the turn is empty.
+            raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} is not running; cannot spawn")
         with SPAWN_LOCK:
             proc = subprocess.Popen([program, *argv[1:]], **kwargs)
             # Our unreaped child: its pid cannot be recycled yet, so this start time is its own.
