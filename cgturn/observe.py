@@ -19,7 +19,6 @@ log = logging.getLogger("cgturn")
 
 TCP_LISTEN = 10          # include/net/tcp_states.h
 TCP_CLOSE = 7            # an unconnected (bound) UDP socket reports this state
-ALL_STATES = 0xFFF
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 ATTR_CGROUP_ID = "INET_DIAG_CGROUP_ID"   # 5.7+ (cgroup v2 sockets)
 PROTOCOLS = (("tcp", socket.IPPROTO_TCP, 1 << TCP_LISTEN), ("udp", socket.IPPROTO_UDP, 1 << TCP_CLOSE))

@@ -6,6 +6,7 @@ import subprocess
 
 import pytest
 
+from cgturn import audit
 from cgturn.cli import main
 from conftest import PY, alive, wait_until
 
@@ -111,8 +112,8 @@ def test_timeout_abandons_the_turn_and_exits_124(cgroup2_root, state_dir):
               "sh", "-c", "setsid sleep 300 >/dev/null 2>&1 & echo $!; exec sleep 300")
     assert out.returncode == 124
     assert wait_until(lambda: not alive(_pid_of_background(out.stdout)))
-    records = [json.loads(line) for line in open(os.path.join(state_dir, "audit.jsonl"))]
-    assert records[-1]["reason"] == "timeout"
+    records = audit.read_records(state_dir)
+    assert records[-1]["reason"] == "timeout" and records[-1]["signals"][0] == "SIGTERM"
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
