@@ -136,3 +136,9 @@ def test_ctrl_c_that_also_ends_the_command_still_abandons(cgroup2_root, state_di
     os.killpg(p.pid, signal.SIGINT)
     assert p.wait(timeout=30) == 130
     assert wait_until(lambda: not alive(daemon))
+
+
+def test_global_options_work_before_and_after_the_command(cgroup2_root, state_dir, capsys):
+    assert main(["ps", "--root", cgroup2_root, "--state-dir", state_dir, "--json"]) == 0
+    assert main(["--root", cgroup2_root, "ps", "--state-dir", state_dir, "--json"]) == 0
+    assert capsys.readouterr().out.split() == ["[]", "[]"]

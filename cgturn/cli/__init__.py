@@ -18,6 +18,8 @@ def build_parser() -> common.Parser:
     sub.required = True
     for module in COMMANDS:
         module.register(sub)
+    for command in sub.choices.values():
+        common.add_global_options(command, after_command=True)
     return parser
 
 

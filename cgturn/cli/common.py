@@ -34,11 +34,15 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def add_global_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--root", help="managed root on the cgroup2 mount (env CGTURN_ROOT)")
-    parser.add_argument("--backend", choices=["auto", "cgroup2", "registry"],
+def add_global_options(parser: argparse.ArgumentParser, after_command: bool = False) -> None:
+    """--root, --backend, --state-dir. `after_command`: the copy each subcommand accepts too
+    (`cgturn ps --root R`), which leaves the value given before the command alone when absent."""
+    default = argparse.SUPPRESS if after_command else None
+    parser.add_argument("--root", default=default, help="managed root on the cgroup2 mount (env CGTURN_ROOT)")
+    parser.add_argument("--backend", choices=["auto", "cgroup2", "registry"], default=default,
                         help="which backend to use (env CGTURN_BACKEND; default auto)")
-    parser.add_argument("--state-dir", help="registry, metadata fallback and audit log (env CGTURN_STATE_DIR)")
+    parser.add_argument("--state-dir", default=default,
+                        help="registry, metadata fallback and audit log (env CGTURN_STATE_DIR)")
 
 
 def add_json_option(parser: argparse.ArgumentParser) -> None:
