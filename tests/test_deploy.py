@@ -14,6 +14,8 @@ import uuid
 
 import pytest
 
+from cgturn.backends import gates
+
 from conftest import PY, alive, wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,10 +101,13 @@ def throwaway_user():
     name = f"cgturn-{uuid.uuid4().hex[:8]}"
     subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
                    check=True, capture_output=True)
+    user = pwd.getpwnam(name)
     try:
-        yield pwd.getpwnam(name)
+        yield user
     finally:
         subprocess.run(["userdel", name], capture_output=True)
+        # What the user's turns left on tmpfs: its spawn-gate directory (see cgturn/backends/gates.py).
+        shutil.rmtree(gates.gate_directory_path(user.pw_uid), ignore_errors=True)
 
 
 def run_in_cgroup(cgroup_dir: str, argv: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -27,9 +27,14 @@ CLOSE_WAIT = 1.0  # how long close() lets starting shims pick up their "go"
 SHM = "/dev/shm"
 
 
+def gate_directory_path(uid: int) -> str:
+    """Where the gates of processes running as `uid` live (tmpfs)."""
+    return os.path.join(SHM, f"cgturn-gates-{uid}")
+
+
 def gate_directory(fallback: str) -> str:
     """A private (0700, ours, not a symlink) directory on /dev/shm for gates, else `fallback`."""
-    path = os.path.join(SHM, f"cgturn-gates-{os.geteuid()}")
+    path = gate_directory_path(os.geteuid())
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
