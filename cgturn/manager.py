@@ -259,7 +259,7 @@ class TurnManager:
             result = self._kill(rec, rec.reason or "abandoned", grace=0.0)
             actions.append({"action": "finished-kill", "task": rec.task_id, "turn": rec.turn_id,
                             "reason": rec.reason, "killed": result.killed})
-        elif rec.state == COMPLETED and not self.backend.members(rec):
+        elif rec.state == COMPLETED and self.backend.wait_empty(rec, 0):
             if self.backend.remove(rec):
                 actions.append({"action": "removed", "task": rec.task_id, "turn": rec.turn_id})
         if not self.backend.records(rec.task_key):
@@ -329,7 +329,7 @@ class TurnManager:
 
     def _collect_if_finished(self, rec: TurnRecord) -> None:
         """Remove a completed turn once nothing is left in it (cgroup v2 has no auto-removal)."""
-        if not self.backend.members(rec) and self.backend.remove(rec):
+        if self.backend.wait_empty(rec, 0) and self.backend.remove(rec):
             self.backend.remove_task(rec.task_key)
 
 

@@ -15,6 +15,8 @@ import os
 import socket
 from dataclasses import dataclass
 
+from .kernel.cgroupfs import walk_tree
+
 log = logging.getLogger("cgturn")
 
 TCP_LISTEN = 10          # include/net/tcp_states.h
@@ -75,13 +77,7 @@ def _from_reply(proto: str, reply) -> ListeningSocket:
 
 def cgroup_ids(path: str) -> set[int]:
     """Ids (inode numbers) of the cgroup at `path` and of every cgroup below it; empty when gone."""
-    ids = set()
-    for dirpath, _dirs, _files in os.walk(path):
-        try:
-            ids.add(os.stat(dirpath).st_ino)
-        except FileNotFoundError:
-            continue
-    return ids
+    return {cgroup_id for _, cgroup_id in walk_tree(path)}
 
 
 def ports_in_cgroups(sockets: list[ListeningSocket], ids: set[int]) -> list[dict]:
