@@ -151,6 +151,8 @@ class TurnManager:
         task_key = None if task_id is None else ids.encode(task_id)
         views = self.backend.views(task_key)
         sockets = self._listening_sockets() if any(v.cgroup_ids for v in views) else None
+        if sockets is not None:
+            sockets = observe.by_cgroup(sockets)
         out = []
         for view in views:
             rec = view.record

@@ -11,7 +11,7 @@ ABANDONED = "abandoned"
 STATES = (RUNNING, COMPLETED, ABANDONED)
 
 
-@dataclass
+@dataclass(slots=True)
 class TurnRecord:
     """What is known about one turn, stored where any process can read it (xattr, file or SQLite).
 
@@ -49,13 +49,15 @@ class TurnRecord:
     @classmethod
     def from_json(cls, data: dict) -> "TurnRecord":
         """Build from stored JSON, ignoring fields this version does not know."""
+        if data.keys() <= _RECORD_FIELDS:  # the common case: written by this version
+            return cls(**data)
         return cls(**{k: v for k, v in data.items() if k in _RECORD_FIELDS})
 
 
 _RECORD_FIELDS = frozenset(f.name for f in dataclasses.fields(TurnRecord))
 
 
-@dataclass
+@dataclass(slots=True)
 class TurnView:
     """A turn observed at one moment: its record, live pids and resource use (what `ps` needs)."""
 
@@ -68,7 +70,7 @@ class TurnView:
     path: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class AbandonResult:
     """What `Turn.abandon` did. `skipped` is True when it killed nothing by rule (already ended)."""
 
@@ -79,7 +81,7 @@ class AbandonResult:
     duration_ms: float = 0.0
 
 
-@dataclass
+@dataclass(slots=True)
 class TurnInfo:
     """One row of `cgturn ps`: a turn as any process can see it."""
 

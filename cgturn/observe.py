@@ -80,9 +80,19 @@ def cgroup_ids(path: str) -> set[int]:
     return {cgroup_id for _, cgroup_id in walk_tree(path)}
 
 
-def ports_in_cgroups(sockets: list[ListeningSocket], ids: set[int]) -> list[dict]:
-    """The sockets created in one of the cgroups `ids`, as sorted, de-duplicated port objects."""
-    return _unique(s for s in sockets if s.cgroup_id in ids)
+def by_cgroup(sockets: list[ListeningSocket]) -> dict[int | None, list[ListeningSocket]]:
+    """Sockets grouped by the id of the cgroup they were created in: one pass for a whole listing."""
+    index: dict[int | None, list[ListeningSocket]] = {}
+    for sock in sockets:
+        index.setdefault(sock.cgroup_id, []).append(sock)
+    return index
+
+
+def ports_in_cgroups(index: dict[int | None, list[ListeningSocket]], ids) -> list[dict]:
+    """The sockets (grouped by `by_cgroup`) created in one of the cgroups `ids`, as sorted,
+    de-duplicated port objects."""
+    found = [sock for cgroup_id in ids if cgroup_id in index for sock in index[cgroup_id]]
+    return _unique(found) if found else []
 
 
 def ports_of_pids(pids: list[int]) -> list[dict]:

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 import escapers
-from cgturn.backends.metadata import XATTR_KEY
+from cgturn.backends.metadata import GENERATION_KEY, XATTR_KEY
 from cgturn.errors import NoSuchTurn, UnsafeOperation
 from cgturn.kernel import procfs
 from cgturn.kernel.cgroupfs import Cgroup
@@ -268,6 +268,46 @@ def test_fast_listing_agrees_with_the_generic_composition(mgr):
     mgr.end_task("list")
     p1.wait(timeout=10)
     p2.wait(timeout=10)
+
+
+def test_repeated_listings_see_every_record_write_of_another_manager(cgroup2_root, state_dir):
+    """A lister reuses parsed records between calls; a write by another manager must still show."""
+    from cgturn.manager import TurnManager
+
+    lister = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir)
+    owner = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir)
+    try:
+        turn = owner.begin_turn("watched", "t1")
+        survivor = turn.spawn(["sleep", "300"])
+        first_start = turn.record.started_at
+        assert [(i.turn, i.state) for i in lister.turns()] == [("t1", "running")]
+        assert [(i.turn, i.state) for i in lister.turns()] == [("t1", "running")]
+        turn.complete()  # the sleep survives, so the turn stays, now completed
+        assert [(i.turn, i.state) for i in lister.turns()] == [("t1", "completed")]
+        owner.end_task("watched")
+        survivor.wait(timeout=10)
+        assert lister.turns() == []
+        again = owner.begin_turn("watched", "t1")  # same name, a new cgroup and record
+        second_start = again.record.started_at
+        assert second_start > first_start
+        assert [(i.turn, i.state, i.started_at) for i in lister.turns()] == [("t1", "running", second_start)]
+        again.complete()
+    finally:
+        owner.close()
+        lister.close()
+
+
+def test_listings_trust_parsed_records_only_while_the_task_generation_holds(mgr):
+    turn = mgr.begin_turn("gen", "t")
+    path = turn_dir(mgr, turn)
+    assert [i.state for i in mgr.turns()] == ["running"]
+    forged = json.loads(os.getxattr(path, XATTR_KEY))
+    forged["state"] = "completed"
+    os.setxattr(path, XATTR_KEY, json.dumps(forged).encode())  # a write that skips the generation
+    assert [i.state for i in mgr.turns()] == ["running"]  # proof that the parsed record was reused
+    os.removexattr(os.path.dirname(path), GENERATION_KEY)
+    assert [i.state for i in mgr.turns()] == ["completed"]  # no token: nothing is reused
+    turn.complete()
 
 
 def test_a_spawn_whose_turn_vanished_never_runs_its_target(mgr, tmp_path):

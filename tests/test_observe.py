@@ -67,7 +67,7 @@ def test_sock_diag_cgroup_id_is_the_directory_inode(cgroup2_root):
         port = int(proc.stdout.readline())
         mine = [s for s in observe.listening_sockets() if s.port == port]
         assert [s.cgroup_id for s in mine] == [os.stat(cgroup2_root).st_ino]
-        assert observe.ports_in_cgroups(mine, observe.cgroup_ids(cgroup2_root)) == [
+        assert observe.ports_in_cgroups(observe.by_cgroup(mine), observe.cgroup_ids(cgroup2_root)) == [
             {"proto": "tcp", "address": "127.0.0.1", "port": port}]
     finally:
         proc.kill()

@@ -23,7 +23,8 @@ from typing import Callable, Iterable
 
 from ..errors import NoSuchTurn, TurnExists, UnsafeOperation, translate
 from ..kernel import parsers, procfs
-from ..kernel.cgroupfs import CPU_STAT_FILE, MEMORY_CURRENT_FILE, STAT_FILE, Cgroup, KillUnsupported, read_text, walk_tree
+from ..kernel.cgroupfs import (CPU_STAT_FILE, MEMORY_CURRENT_FILE, PROCS_FILE, STAT_FILE, Cgroup, KillUnsupported,
+                               read_head, read_text, walk_tree)
 from ..kernel.discovery import own_cgroup_dir
 from ..model import COMPLETED, RUNNING, TurnRecord, TurnView
 from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn
@@ -307,52 +308,97 @@ class Cgroup2Backend(Backend):
             raise
 
     def views(self, task_key=None) -> list[TurnView]:
-        """One pass over the tree: per turn one getxattr and two small raw reads; a sub-cgroup walk
-        only where a task's cgroup.stat counts more cgroups than it has turns.
+        """One pass over the tree: per turn two small reads relative to the open task directory,
+        and its record (read and parsed again only after the task's generation changed, see
+        metadata.py); a sub-cgroup walk only where a task's cgroup.stat counts more cgroups than it
+        has turns.
 
-        The generic composition re-walks and re-reads each turn several times; this keeps `ps` over
-        1000 turns at ~100-200 ms here, about half of it kernfs syscalls. (Reading tasks from two
-        threads was tried and was slower: the Python half holds the GIL.)
+        This is the hot path of `ps` over 1000s of turns; kernfs syscalls are most of its cost, so
+        it asks for nothing twice. (Reading tasks from two threads was tried and was slower: the
+        Python half holds the GIL.)
         """
         tasks = [self.root.child(task_key).path] if task_key is not None else [c.path for c in self.root.children()]
-        memory = True  # memory.current exists only with the memory controller; stop asking once absent
-        out = []
+        if task_key is None:
+            self.meta.forget_tasks_except(tasks)
+        usage = _UsageReader()
+        out: list[TurnView] = []
         for task_path in tasks:
             try:
-                entries = [(e.path, e.inode()) for e in os.scandir(task_path) if e.is_dir(follow_symlinks=False)]
-            except FileNotFoundError:
+                task_fd = os.open(task_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except (FileNotFoundError, NotADirectoryError):
                 continue
-            # Turns rarely have sub-cgroups: when the task's cgroup.stat counts no more descendants
-            # than it has turns, none has, and no turn needs a walk of its own.
-            nested = _descendant_count(Cgroup(task_path)) != len(entries)
-            for path, cgroup_id in entries:
-                turn = Cgroup(path)
-                rec = self.meta.load(turn)
-                if rec is None:
-                    continue
-                tree = walk_tree(path) if nested else [(path, cgroup_id)]
+            try:
+                out.extend(self._task_views(task_path, task_fd, usage))
+            finally:
+                os.close(task_fd)
+        return out
+
+    def _task_views(self, task_path: str, task_fd: int, usage: "_UsageReader") -> list[TurnView]:
+        try:
+            entries = [(e.name, e.inode()) for e in os.scandir(task_fd) if e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return []
+        # Turns rarely have sub-cgroups: when the task's cgroup.stat counts no more descendants
+        # than it has turns, none has, and no turn needs a walk of its own.
+        nested = _descendant_count(Cgroup(task_path)) != len(entries)
+        records = self.meta.load_task(task_path, entries)
+        out = []
+        for name, cgroup_id in entries:
+            path = f"{task_path}/{name}"
+            rec = records.get(name)
+            if rec is None:
+                continue
+            if nested:
+                tree = walk_tree(path)
                 pids = sorted(pid for sub, _ in tree for pid in Cgroup(sub).procs())
-                cpu, mem = self._usage_of(turn, memory)
-                memory = mem is not None
-                out.append(TurnView(rec, pids, cpu, mem, frozenset(i for _, i in tree), path))
+                cgroup_ids = frozenset(i for _, i in tree)
+            else:
+                pids, cgroup_ids = _procs_at(task_fd, name, path), frozenset((cgroup_id,))
+            cpu, mem = usage.read(task_fd, name)
+            out.append(TurnView(rec, pids, cpu, mem, cgroup_ids, path))
         return out
 
     def usage(self, record, pids):
-        return self._usage_of(self._cg(record), memory=True)
+        cg = self._cg(record)
+        return _UsageReader().read(None, cg.path)
 
-    @staticmethod
-    def _usage_of(cg: Cgroup, memory: bool) -> tuple[float, int | None]:
-        """(cpu seconds from cpu.stat, memory.current or None) of one turn cgroup."""
+
+class _UsageReader:
+    """cpu seconds and memory.current of turn cgroups. memory.current exists only where the memory
+    controller is enabled; once it is found missing, a listing stops asking for it."""
+
+    def __init__(self):
+        self.memory = True
+
+    def read(self, dir_fd: int | None, path: str) -> tuple[float, int | None]:
+        """(cpu seconds from cpu.stat, memory.current or None) of the turn at `path` (relative to
+        `dir_fd` when given)."""
         try:
-            cpu = parsers.parse_cpu_stat(read_text(cg.file(CPU_STAT_FILE))).get("usage_usec", 0) / 1e6
+            cpu = (parsers.parse_cpu_usage_usec(read_head(f"{path}/{CPU_STAT_FILE}", dir_fd=dir_fd)) or 0) / 1e6
         except OSError:
             cpu = 0.0
-        if not memory:
+        if not self.memory:
             return cpu, None
         try:
-            return cpu, int(read_text(cg.file(MEMORY_CURRENT_FILE)))
+            return cpu, int(read_text(f"{path}/{MEMORY_CURRENT_FILE}", dir_fd=dir_fd))
         except (OSError, ValueError):
+            self.memory = False
             return cpu, None
+
+
+def _procs_at(dir_fd: int, name: str, path: str) -> list[int]:
+    """Sorted pids of the turn `name` below the open task directory; a threaded cgroup (which
+    refuses cgroup.procs) takes the generic path."""
+    try:
+        return sorted(parsers.parse_cgroup_procs(read_text(f"{name}/{PROCS_FILE}", dir_fd=dir_fd)))
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        if err.errno == errno.ENODEV:  # removed between open and read
+            return []
+        if err.errno != errno.EOPNOTSUPP:
+            raise
+    return Cgroup(path).procs()
 
 
 def _descendant_count(cg: Cgroup) -> int:

@@ -11,6 +11,7 @@ import errno
 import functools
 import os
 import select
+import sys
 import time
 
 from ..errors import KernelError, translate
@@ -68,7 +69,7 @@ class Cgroup:
         return Cgroup(os.path.join(self.path, name))
 
     def file(self, name: str) -> str:
-        return os.path.join(self.path, name)
+        return f"{self.path}/{name}"  # not os.path.join: this is on every hot path, and 4x cheaper
 
     # --- plain reads and writes -------------------------------------------------------------------
 
@@ -122,6 +123,8 @@ class Cgroup:
         except FileNotFoundError:
             return []
         except KernelError as err:
+            if err.errno == errno.ENODEV:  # removed between open and read
+                return []
             if err.errno != errno.EOPNOTSUPP:
                 raise
         try:
@@ -277,8 +280,9 @@ class Cgroup:
     # --- xattrs (metadata on the cgroup itself) ----------------------------------------------------
 
     def get_xattr(self, key: str) -> bytes | None:
+        """The value of xattr `key`, or None when the cgroup or the attribute is absent."""
         try:
-            return os.getxattr(self.path, key)
+            return get_xattr(self.path, key)
         except OSError as err:
             if err.errno in (errno.ENODATA, errno.ENOENT):
                 return None
@@ -288,9 +292,13 @@ class Cgroup:
         os.setxattr(self.path, key, value)
 
 
-def read_text(path: str) -> str:
-    """Read a whole (small) kernel file with raw os.read calls: no buffered-file overhead."""
-    fd = os.open(path, os.O_RDONLY)
+def read_text(path: str, dir_fd: int | None = None) -> str:
+    """Read a whole (small) kernel file with raw os.read calls: no buffered-file overhead.
+
+    With `dir_fd`, `path` is relative to that open directory: the kernel then resolves one or two
+    path components instead of the whole mount path (measurably cheaper over 1000s of cgroups).
+    """
+    fd = os.open(path, os.O_RDONLY, dir_fd=dir_fd)
     try:
         chunks = []
         while True:
@@ -299,6 +307,39 @@ def read_text(path: str) -> str:
                 break
             chunks.append(chunk)
         return b"".join(chunks).decode("ascii", "replace")
+    finally:
+        os.close(fd)
+
+
+# A turn record is a few hundred bytes. CPython's os.getxattr asks for 128 bytes first and, on
+# ERANGE, again with 64 KiB (which the kernel allocates for the copy): two syscalls per record.
+# Asking once with room for any realistic record halves the cost of reading 1000 turns' records.
+XATTR_READ_SIZE = 4096
+_FS_ENCODING = sys.getfilesystemencoding()  # os.fsencode's rules, without its Python-level cost
+_XattrBuffer = ctypes.c_char * XATTR_READ_SIZE  # one type, not one per call (create_string_buffer)
+
+
+def get_xattr(path: str, key: str) -> bytes:
+    """getxattr(2) with one XATTR_READ_SIZE buffer; larger values take os.getxattr's slow path.
+
+    Raises OSError like os.getxattr (ENODATA when the attribute is absent).
+    """
+    buf = _XattrBuffer()
+    size = _libc().getxattr(path.encode(_FS_ENCODING, "surrogateescape"), key.encode(), buf, XATTR_READ_SIZE)
+    if size >= 0:
+        return ctypes.string_at(buf, size)
+    err = ctypes.get_errno()
+    if err == errno.ERANGE:
+        return os.getxattr(path, key)
+    raise OSError(err, os.strerror(err), path)
+
+
+def read_head(path: str, size: int = 4096, dir_fd: int | None = None) -> str:
+    """The first read(2) of a kernel file: enough for a key that comes first (cpu.stat's
+    usage_usec), without the second read that only confirms end of file. `dir_fd` as in read_text."""
+    fd = os.open(path, os.O_RDONLY, dir_fd=dir_fd)
+    try:
+        return os.read(fd, size).decode("ascii", "replace")
     finally:
         os.close(fd)
 
@@ -351,4 +392,7 @@ class _StatFs(ctypes.Structure):
 
 @functools.lru_cache(maxsize=1)
 def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.getxattr.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
+    libc.getxattr.restype = ctypes.c_ssize_t
+    return libc

@@ -28,6 +28,15 @@ def parse_cpu_stat(text: str) -> dict[str, int]:
     return parse_flat_keyed(text)
 
 
+def parse_cpu_usage_usec(text: str) -> int | None:
+    """cpu.stat's `usage_usec` alone (its first line), without parsing the rest; None if absent."""
+    if text.startswith("usage_usec "):
+        value = text[11:text.find("\n")] if "\n" in text else text[11:]
+        if value.isdigit():
+            return int(value)
+    return parse_flat_keyed(text).get("usage_usec")
+
+
 def parse_cgroup_procs(text: str) -> list[int]:
     """cgroup.procs / cgroup.threads: one decimal id per line."""
     return [int(line) for line in text.split() if line.isdigit()]
