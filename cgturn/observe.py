@@ -1,6 +1,6 @@
 """Per-turn observation the kernel can answer without policy: listening ports and resident memory.
 
-Ports come from sock_diag (pyroute2 `DiagSocket`, one netlink dump per protocol and family, 2-3 ms):
+Ports come from sock_diag (kernel/sockdiag.py, one netlink dump per protocol and family, ~1 ms):
 every reply carries INET_DIAG_CGROUP_ID, the inode number of the cgroup directory the socket was
 created in (cgroup v2 ids are kernfs inode numbers, so `os.stat(dir).st_ino` matches). That maps
 sockets to turns without scanning /proc. Where sock_diag is unusable, or a turn has no cgroup (the
@@ -13,66 +13,34 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from dataclasses import dataclass
 
+from .kernel import sockdiag
 from .kernel.cgroupfs import walk_tree
+from .kernel.sockdiag import ListeningSocket
 
 log = logging.getLogger("cgturn")
 
-TCP_LISTEN = 10          # include/net/tcp_states.h
-TCP_CLOSE = 7            # an unconnected (bound) UDP socket reports this state
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-ATTR_CGROUP_ID = "INET_DIAG_CGROUP_ID"   # 5.7+ (cgroup v2 sockets)
-PROTOCOLS = (("tcp", socket.IPPROTO_TCP, 1 << TCP_LISTEN), ("udp", socket.IPPROTO_UDP, 1 << TCP_CLOSE))
-FAMILIES = (socket.AF_INET, socket.AF_INET6)
-
-
-@dataclass(frozen=True)
-class ListeningSocket:
-    """One listening TCP socket or bound, unconnected UDP socket, as sock_diag reports it."""
-
-    proto: str
-    address: str
-    port: int
-    cgroup_id: int | None
-
-    def to_json(self) -> dict:
-        return {"proto": self.proto, "address": self.address, "port": self.port}
-
 
 class DiagUnavailable(Exception):
-    """sock_diag cannot be used here (pyroute2 missing, netlink refused); use the psutil path."""
+    """sock_diag cannot be used here (netlink refused or unsupported); use the psutil path."""
 
 
 def listening_sockets() -> list[ListeningSocket]:
     """Every listening socket of this network namespace, with the id of the cgroup it was made in.
 
     Raises:
-        DiagUnavailable: pyroute2 is missing or the kernel refused the sock_diag dump.
+        DiagUnavailable: the kernel refused the sock_diag dump (or has no such netlink family), or
+            gave no cgroup ids (before 5.7, or built without CONFIG_SOCK_CGROUP_DATA): without them
+            no socket could be matched to a turn.
     """
     try:
-        from pyroute2 import DiagSocket
-    except ImportError as err:
-        raise DiagUnavailable(f"pyroute2 is not installed: {err}") from err
-    out = []
-    try:
-        with DiagSocket() as diag:
-            diag.bind()
-            for family in FAMILIES:
-                for proto, number, states in PROTOCOLS:
-                    for reply in diag.get_sock_stats(family=family, protocol=number, states=states):
-                        out.append(_from_reply(proto, reply))
+        sockets = sockdiag.listening_sockets()
     except OSError as err:
         raise DiagUnavailable(f"sock_diag refused: {err}") from err
-    return out
-
-
-def _from_reply(proto: str, reply) -> ListeningSocket:
-    cgroup_id = None
-    for name, value in reply.get("attrs", []):
-        if name == ATTR_CGROUP_ID:
-            cgroup_id = int(value)
-    return ListeningSocket(proto, str(reply["idiag_src"]), int(reply["idiag_sport"]), cgroup_id)
+    if sockets and all(s.cgroup_id is None for s in sockets):
+        raise DiagUnavailable("sock_diag gave no cgroup ids (kernel before 5.7?)")
+    return sockets
 
 
 def cgroup_ids(path: str) -> set[int]:
