@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cgturn import ids
+from cgturn.manager import TurnManager
 from conftest import alive, wait_until
 
 TURNS = 200
@@ -58,9 +59,31 @@ def test_200_concurrent_turns_abandoned_at_random_while_others_complete(mgr, bys
         for item in chunk:
             one(*item)
 
-    with ThreadPoolExecutor(WORKERS) as pool:
-        for f in [pool.submit(run, plan[i::WORKERS]) for i in range(WORKERS)]:
-            f.result(timeout=300)
+    # A second manager lists all along, as `cgturn watch` would beside a gateway: it reuses parsed
+    # records between calls, and must still end up seeing exactly what a fresh manager sees.
+    watcher = TurnManager(root=mgr.backend.root.path, backend="cgroup2", state_dir=mgr.backend.meta.state_dir)
+    storm_over = threading.Event()
+    listings = []
+
+    def watch():
+        while not storm_over.is_set():
+            listings.append(len(watcher.turns()))
+
+    watching = threading.Thread(target=watch)
+    watching.start()
+    try:
+        with ThreadPoolExecutor(WORKERS) as pool:
+            for f in [pool.submit(run, plan[i::WORKERS]) for i in range(WORKERS)]:
+                f.result(timeout=300)
+    finally:
+        storm_over.set()
+        watching.join(timeout=60)
+    assert len(listings) > 1
+    with TurnManager(root=mgr.backend.root.path, backend="cgroup2", state_dir=mgr.backend.meta.state_dir) as fresh:
+        seen_fresh = {(i.task, i.turn, i.state) for i in fresh.turns()}
+    assert {(i.task, i.turn, i.state) for i in watcher.turns()} == seen_fresh
+    assert seen_fresh == {(task, turn, "completed") for task, turn, abandon in plan if not abandon}
+    watcher.close()
     assert len(victims) + len(survivors) == TURNS
     killed = [pid for pids in victims.values() for pid in pids]
     assert wait_until(lambda: not any(alive(pid) for pid in killed))
