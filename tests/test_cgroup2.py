@@ -333,3 +333,14 @@ def test_gates_are_retired_once_their_shims_have_read_them(mgr):
     mine = [n for n in os.listdir(mgr.backend.gates.directory) if n.startswith(f"{os.getpid()}-")]
     assert mine == []
     turn.complete()
+
+
+def test_records_kept_between_listings_stay_bounded_when_tasks_are_listed_one_by_one(mgr, monkeypatch):
+    from cgturn.backends import metadata
+
+    monkeypatch.setattr(metadata, "MAX_CACHED_TASKS", 3)
+    for i in range(5):
+        turn = mgr.begin_turn(f"one-by-one-{i}", "t")
+        assert [info.turn for info in mgr.turns(f"one-by-one-{i}")] == ["t"]
+        turn.complete()  # completed and empty: removed, and never listed again
+    assert len(mgr.backend.meta._parsed) <= 3

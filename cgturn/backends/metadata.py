@@ -35,6 +35,7 @@ log = logging.getLogger("cgturn")
 
 XATTR_KEY = "user.cgturn"
 GENERATION_KEY = "user.cgturn.generation"  # on the task directory: changes with every record write
+MAX_CACHED_TASKS = 1024  # tasks whose parsed records a store keeps between listings
 # errnos meaning "this filesystem/kernel/user cannot store xattrs here": fall back to files.
 _XATTR_REFUSED = frozenset({errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.EACCES, errno.ENOSPC,
                             errno.E2BIG})
@@ -91,10 +92,14 @@ class MetadataStore:
                 rec = self.load(Cgroup(f"{task_path}/{name}"))
             if rec is not None:
                 found[(name, inode)] = rec
-        if token is not None:
-            self._parsed[task_path] = (token, found)
-        else:
+        if token is None:
             self._parsed.pop(task_path, None)
+        else:
+            if len(self._parsed) >= MAX_CACHED_TASKS and task_path not in self._parsed:
+                # Listing one task at a time never prunes tasks that are gone: start afresh
+                # rather than grow without bound in a long-running process.
+                self._parsed.clear()
+            self._parsed[task_path] = (token, found)
         return {name: rec for (name, _), rec in found.items()}
 
     def forget_tasks_except(self, task_paths) -> None:
