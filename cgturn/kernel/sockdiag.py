@@ -64,7 +64,7 @@ def listening_sockets() -> list[ListeningSocket]:
 def _receive_dump(sock: socket.socket, seq: int):
     """(address, port, cgroup id) of each message of the dump `seq`, until NLMSG_DONE."""
     while True:
-        data = sock.recv(1 << 16)
+        data = sock.recv(1 << 16)  # the kernel fills each dump datagram up to 32 KiB (netlink_dump)
         offset = 0
         while offset + _NLMSGHDR.size <= len(data):
             length, kind, _, msg_seq, _ = _NLMSGHDR.unpack_from(data, offset)
