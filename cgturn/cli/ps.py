@@ -16,13 +16,16 @@ def register(sub) -> None:
     p.set_defaults(handler=run)
 
 
-def snapshot(args) -> list[dict]:
-    """The turns as the documented JSON objects (TurnInfo fields plus `age_seconds`)."""
-    manager = common.make_manager(args)
-    try:
-        infos = manager.turns(args.task)
-    finally:
-        manager.close()
+def snapshot(args, manager=None) -> list[dict]:
+    """The turns as the documented JSON objects (TurnInfo fields plus `age_seconds`).
+
+    `watch` passes the manager it keeps across frames (which then re-reads only changed records);
+    without one, a manager is made for this call and closed.
+    """
+    if manager is None:
+        with common.make_manager(args) as own:
+            return snapshot(args, own)
+    infos = manager.turns(args.task)
     now = time.time()
     rows = []
     for info in infos:

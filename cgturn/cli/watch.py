@@ -30,8 +30,8 @@ def _interval(text: str) -> float:
     return value
 
 
-def frame(args) -> str:
-    rows = ps.snapshot(args)
+def frame(args, manager) -> str:
+    rows = ps.snapshot(args, manager)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     states = {}
     for row in rows:
@@ -42,14 +42,15 @@ def frame(args) -> str:
 
 
 def run(args) -> int:
-    if args.once:
-        sys.stdout.write(frame(args))
-        return common.EXIT_OK
-    clear = CLEAR if sys.stdout.isatty() else ""
-    try:
-        while True:
-            sys.stdout.write(clear + frame(args))
-            sys.stdout.flush()
-            time.sleep(args.interval)  # a refresh period, not a wait for an event
-    except KeyboardInterrupt:
-        return common.EXIT_OK  # Ctrl-C is the normal way out of a live view
+    with common.make_manager(args) as manager:  # one for every frame: records are parsed once
+        if args.once:
+            sys.stdout.write(frame(args, manager))
+            return common.EXIT_OK
+        clear = CLEAR if sys.stdout.isatty() else ""
+        try:
+            while True:
+                sys.stdout.write(clear + frame(args, manager))
+                sys.stdout.flush()
+                time.sleep(args.interval)  # a refresh period, not a wait for an event
+        except KeyboardInterrupt:
+            return common.EXIT_OK  # Ctrl-C is the normal way out of a live view
