@@ -323,16 +323,44 @@ def test_a_spawn_whose_turn_vanished_never_runs_its_target(mgr, tmp_path):
         not name.startswith(f"{os.getpid()}-") for name in os.listdir(mgr.backend.gates.directory))
 
 
-def test_gates_are_retired_once_their_shims_have_read_them(mgr):
-    turn = mgr.begin_turn("gates")
-    procs = [turn.spawn(["true"]) for _ in range(20)]
-    for p in procs:
-        assert p.wait(timeout=10) == 0
-    mgr.backend.gates.sweep()
-    assert mgr.backend.gates._pending == []
-    mine = [n for n in os.listdir(mgr.backend.gates.directory) if n.startswith(f"{os.getpid()}-")]
-    assert mine == []
-    turn.complete()
+def my_gates(gates) -> list[str]:
+    return [n for n in os.listdir(gates.directory) if n.startswith(f"{os.getpid()}-")]
+
+
+def test_gates_are_reused_once_their_shims_have_read_them_and_removed_at_close(cgroup2_root, state_dir):
+    from cgturn.backends import gates
+    from cgturn.manager import TurnManager
+
+    with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir) as mgr:
+        turn = mgr.begin_turn("gates")
+        for _ in range(20):
+            assert turn.spawn(["true"]).wait(timeout=10) == 0
+        mgr.backend.gates.sweep()
+        assert mgr.backend.gates._pending == []
+        assert 1 <= len(my_gates(mgr.backend.gates)) <= gates.FREE_MAX  # not one FIFO per spawn
+        assert all(gates._unread(g.fd) == 0 for g in mgr.backend.gates._free)
+        turn.complete()
+        spawn_gates = mgr.backend.gates
+    assert my_gates(spawn_gates) == []
+
+
+def test_a_gate_whose_shim_died_before_reading_go_is_removed_not_reused(mgr):
+    """A reused gate must never hold a stale "go": the next shim would start before its move."""
+    from cgturn.backends.cgroup2 import SPAWN_SHIM
+
+    spawn_gates = mgr.backend.gates
+    gate = spawn_gates.open()
+    # a shim that stops itself before it reads, as if frozen, then is killed unread
+    shim = subprocess.Popen(["/bin/sh", "-c", 'kill -STOP $$; ' + SPAWN_SHIM, gate.path, "t", "u", "s", "true"])
+    assert wait_until(lambda: procfs.stat(shim.pid).state == "T")
+    spawn_gates.release(gate, shim.pid)
+    spawn_gates.sweep()
+    assert gate in spawn_gates._pending  # unread, shim alive: kept
+    shim.kill()
+    shim.wait(timeout=10)
+    spawn_gates.sweep()
+    assert gate not in spawn_gates._pending and gate not in spawn_gates._free
+    assert not os.path.exists(gate.path)
 
 
 def test_records_kept_between_listings_stay_bounded_when_tasks_are_listed_one_by_one(mgr, monkeypatch):

@@ -1,6 +1,6 @@
 """The cgroup v2 backend: every turn is a child cgroup `<root>/<task>/<turn>`; membership is ownership.
 
-Spawn: Popen starts a `/bin/sh` shim that blocks on a per-spawn FIFO (a "gate", see gates.py); the
+Spawn: Popen starts a `/bin/sh` shim that blocks on a FIFO of its own (a "gate", see gates.py); the
 parent writes the shim's pid into the turn's cgroup.procs, then opens the gate; the shim execs the
 target. So the process is in the turn before the target runs one instruction and before `spawn`
 returns, Popen keeps its vfork path (thread-safe: no Python code between fork and exec), and the
