@@ -372,3 +372,30 @@ def test_records_kept_between_listings_stay_bounded_when_tasks_are_listed_one_by
         assert [info.turn for info in mgr.turns(f"one-by-one-{i}")] == ["t"]
         turn.complete()  # completed and empty: removed, and never listed again
     assert len(mgr.backend.meta._parsed) <= 3
+
+
+def test_a_forked_child_never_takes_its_parents_gates(mgr):
+    turn = mgr.begin_turn("forked")
+    assert turn.spawn(["true"]).wait(timeout=10) == 0
+    spawn_gates = mgr.backend.gates
+    spawn_gates.sweep()
+    parents = {g.path for g in spawn_gates._free}
+    assert parents  # a free gate the child could wrongly take
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only async-safe-ish work, then _exit
+        try:
+            os.close(r)
+            gate = spawn_gates.open()
+            os.write(w, gate.path.encode())
+            spawn_gates.discard(gate)
+            spawn_gates.close()  # as a child's atexit might: must not remove the parent's files
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        childs = f.read()
+    os.waitpid(pid, 0)
+    assert childs and childs not in parents and os.path.basename(childs).startswith(f"{pid}-")
+    assert all(os.path.exists(path) for path in parents)  # the parent's gates are left alone
+    turn.complete()

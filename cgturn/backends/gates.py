@@ -68,6 +68,7 @@ class SpawnGates:
         self._free: list[Gate] = []     # read out: ready for the next spawn
         self._lock = threading.Lock()
         self._ready = False
+        self._owner = os.getpid()
 
     def open(self) -> Gate:
         """A gate for one spawn (reused when one is free); its path goes to the shim."""
@@ -98,6 +99,8 @@ class SpawnGates:
 
     def sweep(self) -> None:
         """Free the gates whose shim has read its "go"; remove those whose shim exited unread."""
+        if self._owner != os.getpid():
+            self._forget_inherited()
         with self._lock:
             keep = []
             for gate in self._pending:
@@ -125,6 +128,17 @@ class SpawnGates:
             for gate in self._pending + self._free:
                 self.discard(gate)
             self._pending, self._free = [], []
+
+    def _forget_inherited(self) -> None:
+        """In a forked child: the parent's gates are the parent's (sharing one FIFO between two
+        processes could hand one shim another's "go"). Close our copies of their fds, leave the
+        files to the parent, and start a set of our own (named with our pid). Only the forking
+        thread exists here, so no lock is taken: one held by another thread at fork stays held."""
+        self._lock = threading.Lock()
+        for gate in self._pending + self._free:
+            os.close(gate.fd)
+        self._pending, self._free = [], []
+        self._owner = os.getpid()
 
     def _remove_stale(self) -> None:
         """Remove gates of processes that died before retiring them (their prefix is the pid)."""
