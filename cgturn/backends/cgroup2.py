@@ -23,8 +23,8 @@ from typing import Callable, Iterable
 
 from ..errors import NoSuchTurn, TurnExists, UnsafeOperation, translate
 from ..kernel import parsers, procfs
-from ..kernel.cgroupfs import (CPU_STAT_FILE, MEMORY_CURRENT_FILE, PROCS_FILE, STAT_FILE, Cgroup, KillUnsupported,
-                               read_head, read_text, walk_tree)
+from ..kernel.cgroupfs import (CPU_STAT_FILE, MEMORY_CURRENT_FILE, STAT_FILE, Cgroup, KillUnsupported, read_head,
+                               read_procs, read_text, walk_tree)
 from ..kernel.discovery import own_cgroup_dir
 from ..model import COMPLETED, RUNNING, TurnRecord, TurnView
 from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn
@@ -353,7 +353,7 @@ class Cgroup2Backend(Backend):
                 pids = sorted(pid for sub, _ in tree for pid in Cgroup(sub).procs())
                 cgroup_ids = frozenset(i for _, i in tree)
             else:
-                pids, cgroup_ids = _procs_at(task_fd, name, path), frozenset((cgroup_id,))
+                pids, cgroup_ids = sorted(read_procs(name, dir_fd=task_fd)), frozenset((cgroup_id,))
             cpu, mem = usage.read(task_fd, name)
             out.append(TurnView(rec, pids, cpu, mem, cgroup_ids, path))
         return out
@@ -384,21 +384,6 @@ class _UsageReader:
         except (OSError, ValueError):
             self.memory = False
             return cpu, None
-
-
-def _procs_at(dir_fd: int, name: str, path: str) -> list[int]:
-    """Sorted pids of the turn `name` below the open task directory; a threaded cgroup (which
-    refuses cgroup.procs) takes the generic path."""
-    try:
-        return sorted(parsers.parse_cgroup_procs(read_text(f"{name}/{PROCS_FILE}", dir_fd=dir_fd)))
-    except FileNotFoundError:
-        return []
-    except OSError as err:
-        if err.errno == errno.ENODEV:  # removed between open and read
-            return []
-        if err.errno != errno.EOPNOTSUPP:
-            raise
-    return Cgroup(path).procs()
 
 
 def _descendant_count(cg: Cgroup) -> int:

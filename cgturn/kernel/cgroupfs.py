@@ -14,7 +14,7 @@ import select
 import sys
 import time
 
-from ..errors import KernelError, translate
+from ..errors import translate
 from . import parsers
 
 PROCS_FILE = "cgroup.procs"
@@ -113,25 +113,8 @@ class Cgroup:
     # --- membership -------------------------------------------------------------------------------
 
     def procs(self) -> list[int]:
-        """Pids directly in this cgroup; [] when the cgroup is gone.
-
-        A threaded cgroup refuses to list cgroup.procs (EOPNOTSUPP): its members are read from
-        cgroup.threads and mapped from thread ids to their processes.
-        """
-        try:
-            return parsers.parse_cgroup_procs(self.read(PROCS_FILE))
-        except FileNotFoundError:
-            return []
-        except KernelError as err:
-            if err.errno == errno.ENODEV:  # removed between open and read
-                return []
-            if err.errno != errno.EOPNOTSUPP:
-                raise
-        try:
-            tids = parsers.parse_cgroup_procs(self.read(THREADS_FILE))
-        except FileNotFoundError:
-            return []
-        return sorted({pid for pid in map(_tgid_of, tids) if pid is not None})
+        """Pids directly in this cgroup; [] when the cgroup is gone (see read_procs)."""
+        return read_procs(self.path)
 
     def descendants(self) -> list["Cgroup"]:
         """Every cgroup below this one, parents before children (walk order)."""
@@ -309,6 +292,31 @@ def read_text(path: str, dir_fd: int | None = None) -> str:
         return b"".join(chunks).decode("ascii", "replace")
     finally:
         os.close(fd)
+
+
+def read_procs(path: str, dir_fd: int | None = None) -> list[int]:
+    """Pids directly in the cgroup at `path` (relative to `dir_fd` as in read_text); [] when the
+    cgroup is gone, also when it goes between open and read (ENODEV).
+
+    A threaded cgroup refuses to list cgroup.procs (EOPNOTSUPP): its members are read from
+    cgroup.threads and mapped from thread ids to their processes.
+    """
+    try:
+        return parsers.parse_cgroup_procs(read_text(f"{path}/{PROCS_FILE}", dir_fd=dir_fd))
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        if err.errno == errno.ENODEV:
+            return []
+        if err.errno != errno.EOPNOTSUPP:
+            raise translate("read", f"{path}/{PROCS_FILE}", err) from err
+    try:
+        tids = parsers.parse_cgroup_procs(read_text(f"{path}/{THREADS_FILE}", dir_fd=dir_fd))
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        raise translate("read", f"{path}/{THREADS_FILE}", err) from err
+    return sorted({pid for pid in map(_tgid_of, tids) if pid is not None})
 
 
 # A turn record is a few hundred bytes. CPython's os.getxattr asks for 128 bytes first and, on

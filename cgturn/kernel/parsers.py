@@ -34,7 +34,7 @@ def parse_cpu_usage_usec(text: str) -> int | None:
         value = text[11:text.find("\n")] if "\n" in text else text[11:]
         if value.isdigit():
             return int(value)
-    return parse_flat_keyed(text).get("usage_usec")
+    return parse_cpu_stat(text).get("usage_usec")
 
 
 def parse_cgroup_procs(text: str) -> list[int]:
