@@ -15,7 +15,7 @@ import subprocess
 import time
 from typing import Iterable
 
-from . import audit, ids, observe
+from . import audit, ids, observe, reasons
 from .backends.base import Backend
 from .errors import CgroupUnavailable, CgturnError, NoSuchTurn, UnsafeOperation
 from .kernel import discovery, procfs
@@ -179,7 +179,7 @@ class TurnManager:
             log.info("ports via psutil: %s", err)
             return None
 
-    def end_task(self, task_id: str, reason: str = "end-task") -> AbandonResult:
+    def end_task(self, task_id: str, reason: str = reasons.END_TASK) -> AbandonResult:
         """Kill everything the task owns, completed turns' survivors included, and remove its turns.
 
         A blank task id matches nothing. Raises UnsafeOperation if a turn contains the caller.
@@ -252,13 +252,13 @@ class TurnManager:
         """The reap policy for one turn; returns the actions taken."""
         actions = []
         if rec.state == RUNNING and not self.owner_alive(rec):
-            result = self._abandon(rec.task_key, rec.turn_key, "owner-died", grace=0.0, force=False)
+            result = self._abandon(rec.task_key, rec.turn_key, reasons.OWNER_DIED, grace=0.0, force=False)
             if not result.skipped:
                 actions.append({"action": "abandoned", "task": rec.task_id, "turn": rec.turn_id,
-                                "reason": "owner-died", "killed": result.killed})
+                                "reason": reasons.OWNER_DIED, "killed": result.killed})
         elif rec.state == ABANDONED and not procfs.is_alive(rec.killer_pid or 0, rec.killer_start or -1):
             # The process that was killing this turn died before it finished: finish for it.
-            result = self._kill(rec, rec.reason or "abandoned", grace=0.0)
+            result = self._kill(rec, rec.reason or reasons.UNKNOWN, grace=0.0)
             actions.append({"action": "finished-kill", "task": rec.task_id, "turn": rec.turn_id,
                             "reason": rec.reason, "killed": result.killed})
         elif rec.state == COMPLETED and self.backend.wait_empty(rec, 0):

@@ -23,6 +23,7 @@ import uuid
 import pytest
 
 from .backends.base import ENV_SCOPE, ENV_TASK, ENV_TURN
+from . import reasons
 from .errors import CgturnError, TurnExists, UnsafeOperation
 from .kernel import discovery, procfs
 from .kernel.cgroupfs import Cgroup
@@ -185,7 +186,7 @@ class LeakGuard:
         turn.wait_empty(self.settle)
         pids = turn.pids()
         commands = {pid: procfs.cmdline(pid) for pid in pids}
-        result = turn.abandon("pytest-leak", grace=0, force=True)
+        result = turn.abandon(reasons.PYTEST_LEAK, grace=0, force=True)
         killed = sorted(set(result.killed) | set(commands))
         return [leak_line(scope.label, pid, commands.get(pid, "")) for pid in killed]
 
@@ -308,7 +309,7 @@ class LeakGuard:
                 self._inside.clear()
                 self._switch(None)
             self._test = None
-            self._mgr.end_task(self._task, reason="pytest-session-end")
+            self._mgr.end_task(self._task, reason=reasons.PYTEST_SESSION_END)
         finally:
             self._mgr.close()
             self._mgr = None

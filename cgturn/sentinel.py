@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import ids
+from . import ids, reasons
 from .kernel import procfs
 from .model import RUNNING
 
@@ -49,9 +49,9 @@ SWEEP_INTERVAL = 0.5
 # How long `close()` waits for an idle sentinel to exit before leaving it to finish on its own.
 CLOSE_WAIT = 2.0
 MAX_MESSAGE = 65536
-OWNER_DIED = "owner-died"
-REASON_INACTIVITY = "timeout"
-REASON_DEADLINE = "deadline"
+OWNER_DIED = reasons.OWNER_DIED
+REASON_INACTIVITY = reasons.TIMEOUT
+REASON_DEADLINE = reasons.DEADLINE
 _SEND_TIMEOUT = 2.0
 _ATTACH_LOCK = threading.Lock()
 

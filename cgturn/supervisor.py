@@ -27,18 +27,19 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import ids, sentinel
+from . import ids, reasons, sentinel
 from .model import RUNNING, AbandonResult
 
 log = logging.getLogger("cgturn.supervisor")
 
-REASON_TIMEOUT = "timeout"
-REASON_DEADLINE = "deadline"
-REASON_STOP = "stop"
-REASON_NEW_SESSION = "new-session"
-REASON_DISCONNECT = "disconnect"
-REASON_ERROR = "error"
-REASON_CANCELLED = "cancelled"
+# Kept under these names for callers of earlier versions; the vocabulary lives in cgturn.reasons.
+REASON_TIMEOUT = reasons.TIMEOUT
+REASON_DEADLINE = reasons.DEADLINE
+REASON_STOP = reasons.STOP
+REASON_NEW_SESSION = reasons.NEW_SESSION
+REASON_DISCONNECT = reasons.DISCONNECT
+REASON_ERROR = reasons.ERROR
+REASON_CANCELLED = reasons.CANCELLED
 # How often the watchdog polls an `activity` callable (a touch has its own push path).
 ACTIVITY_POLL = 0.1
 # How long run() waits for a cancelled coroutine worker to unwind after an abandon.
@@ -290,7 +291,7 @@ class Supervisor:
                     return
                 # Another process (sentinel, CLI) abandoned the turn first: that outcome stands.
                 rec = self.turn.record
-                self._reason = rec.reason or "abandoned"
+                self._reason = rec.reason or reasons.UNKNOWN
                 self._abandon_result = AbandonResult(skipped=True, reason=self._reason)
                 self._settled.set()
                 self._wake.set()

@@ -12,7 +12,7 @@ import select
 import signal
 import sys
 
-from .. import sentinel
+from .. import reasons, sentinel
 from ..supervisor import Supervisor
 from . import common
 
@@ -68,19 +68,19 @@ def _supervise(turn, cmd: list[str], timeout: float | None, grace: float, reap_o
         try:
             proc = turn.spawn(cmd)
         except FileNotFoundError:
-            sup.stop("not-found", grace=0, interrupt=False)
+            sup.stop(reasons.NOT_FOUND, grace=0, interrupt=False)
             print(f"cgturn: {cmd[0]}: command not found", file=sys.stderr)
             return EXIT_NOT_FOUND
         except PermissionError:
-            sup.stop("not-executable", grace=0, interrupt=False)
+            sup.stop(reasons.NOT_EXECUTABLE, grace=0, interrupt=False)
             print(f"cgturn: {cmd[0]}: permission denied", file=sys.stderr)
             return EXIT_NOT_EXECUTABLE
         outcome = sup.run_blocking(_worker, sup, proc, wake_r, received, reap_on_exit)
-        if outcome.completed or outcome.reason == "reap-on-exit":
+        if outcome.completed or outcome.reason == reasons.REAP_ON_EXIT:
             code = outcome.result if outcome.completed else proc.returncode
             return code if code >= 0 else 128 - code
-        if outcome.reason and outcome.reason.startswith("signal:"):
-            return 128 + signal.Signals[outcome.reason.split(":", 1)[1]]
+        if outcome.reason and outcome.reason.startswith(reasons.SIGNAL_PREFIX):
+            return 128 + signal.Signals[outcome.reason.removeprefix(reasons.SIGNAL_PREFIX)]
         if outcome.error is not None:
             raise outcome.error
         return EXIT_TIMEOUT
@@ -105,9 +105,9 @@ def _worker(sup, proc, wake_fd: int, received: list[int], reap_on_exit: bool) ->
     pending = signal.sigpending() & set(FORWARDED)
     if received or pending:
         sig = (received or sorted(pending))[0]
-        sup.stop(f"signal:{signal.Signals(sig).name}", interrupt=False)
+        sup.stop(reasons.for_signal(signal.Signals(sig).name), interrupt=False)
     elif reap_on_exit:
-        sup.stop("reap-on-exit", interrupt=False)
+        sup.stop(reasons.REAP_ON_EXIT, interrupt=False)
     return code
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 
+from .. import reasons
 from . import common
 
-DEFAULT_REASON = "stop"
+DEFAULT_REASON = reasons.STOP
 DEFAULT_GRACE = 2.0
 
 

@@ -1,0 +1,54 @@
+"""Why a turn was abandoned: the one vocabulary of reasons, shared by every layer and the audit log.
+
+A reason is free text chosen by whoever abandons a turn (`Turn.abandon(reason)`, `cgturn stop
+--reason`); the names below are the ones cgturn itself records. Reasons end up in the turn's record,
+the audit log and metrics labels, so `validate` refuses what those cannot carry, before anything is
+touched.
+"""
+from __future__ import annotations
+
+TIMEOUT = "timeout"              # inactivity timeout (supervisor, sentinel, `cgturn run --timeout`)
+DEADLINE = "deadline"            # hard deadline since the turn started
+STOP = "stop"                    # an explicit /stop (`Supervisor.stop`, `cgturn stop`)
+NEW_SESSION = "new-session"      # /new: the task moved on to a new session
+DISCONNECT = "disconnect"        # the client of a run went away
+ERROR = "error"                  # the supervised worker raised
+CANCELLED = "cancelled"          # the awaiting coroutine was cancelled
+OWNER_DIED = "owner-died"        # the process that began the turn is gone (sentinel, recovery)
+END_TASK = "end-task"            # `TurnManager.end_task`, `cgturn end`
+REAP_ON_EXIT = "reap-on-exit"    # `cgturn run --reap-on-exit`: the command exited
+NOT_FOUND = "not-found"          # `cgturn run`: the command could not be found
+NOT_EXECUTABLE = "not-executable"  # `cgturn run`: the command could not be executed
+SIGNAL_PREFIX = "signal:"        # `cgturn run` got a signal: `signal:SIGINT`
+PYTEST_LEAK = "pytest-leak"      # the pytest plugin killed what a test left running
+PYTEST_SESSION_END = "pytest-session-end"
+# Recorded on a turn whose record says it was abandoned by someone who did not say why.
+UNKNOWN = "abandoned"
+
+MAX_REASON_BYTES = 1024
+
+
+def for_signal(name: str) -> str:
+    """The reason for a turn abandoned because `cgturn run` received signal `name` (e.g. SIGINT)."""
+    return SIGNAL_PREFIX + name
+
+
+def validate(reason: object) -> str:
+    """Return `reason` if it can be recorded; raise ValueError with a one-line reason otherwise.
+
+    Refused: non-strings, blank strings, NUL, text that is not valid UTF-8 (lone surrogates, as
+    `sys.argv` carries undecodable bytes), and more than MAX_REASON_BYTES bytes.
+    """
+    if not isinstance(reason, str):
+        raise ValueError(f"reason must be a string, not {type(reason).__name__}")
+    if not reason.strip():
+        raise ValueError("reason must not be blank")
+    if "\x00" in reason:
+        raise ValueError("reason must not contain NUL")
+    try:
+        size = len(reason.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError("reason is not valid UTF-8 text") from None
+    if size > MAX_REASON_BYTES:
+        raise ValueError(f"reason is {size} bytes long; the limit is {MAX_REASON_BYTES}")
+    return reason
