@@ -32,6 +32,23 @@ class UnsafeOperation(CgturnError):
     """A kill or freeze was refused because it would hit the caller, or lands outside the managed root."""
 
 
+class NoSuchProcess(CgturnError):
+    """The process does not exist (any more). Carries `pid`."""
+
+    def __init__(self, pid: int, message: str | None = None):
+        self.pid = pid
+        super().__init__(message or f"no process {pid}")
+
+
+class AccessDenied(PermissionDenied):
+    """The process exists, or may, but the caller is not allowed to look at it (EACCES/EPERM under
+    /proc, e.g. `hidepid=1`). Never to be taken for "gone". Carries `pid`."""
+
+    def __init__(self, pid: int, message: str | None = None):
+        self.pid = pid
+        super().__init__(message or f"not allowed to look at process {pid}")
+
+
 class RegistryUnavailable(CgturnError):
     """The registry database cannot be opened or written (permissions, corrupt file, full disk)."""
 

@@ -15,7 +15,8 @@ import subprocess
 import time
 from typing import Iterable
 
-from . import audit, ids, observe, reasons
+from . import audit, ids, reasons
+from .kernel import observe
 from .backends.base import Backend
 from .errors import CgroupUnavailable, CgturnError, NoSuchTurn, UnsafeOperation
 from .kernel import discovery, procfs

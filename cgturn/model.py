@@ -9,6 +9,10 @@ RUNNING = "running"
 COMPLETED = "completed"
 ABANDONED = "abandoned"
 STATES = (RUNNING, COMPLETED, ABANDONED)
+# Not a state a turn moves through: what a turn directory reads as when its record is missing,
+# unreadable, or disagrees with the directory it was read from. Such a turn is killed by any abandon
+# (the kernel's view decides what it owns, not bytes someone else could have written).
+CORRUPT = "corrupt"
 
 
 @dataclass(slots=True)
@@ -32,9 +36,13 @@ class TurnRecord:
     # (killer gone) from one still under way.
     killer_pid: int | None = None
     killer_start: int | None = None
+    # Why the record could not be trusted (state CORRUPT); never stored.
+    problem: str | None = None
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        del data["problem"]
+        return data
 
     def advance(self, allowed_from, to_state: str, updates: dict) -> bool:
         """Apply a state change in place if the current state allows it (the caller holds the lock
@@ -54,7 +62,19 @@ class TurnRecord:
         return cls(**{k: v for k, v in data.items() if k in _RECORD_FIELDS})
 
 
-_RECORD_FIELDS = frozenset(f.name for f in dataclasses.fields(TurnRecord))
+# The fields a record stores (`problem` is derived when reading, never stored).
+STORED_FIELDS = tuple(f.name for f in dataclasses.fields(TurnRecord) if f.name != "problem")
+_RECORD_FIELDS = frozenset(STORED_FIELDS)
+
+
+def corrupt_record(task_key: str, turn_key: str, problem: str, started_at: float = 0.0) -> TurnRecord:
+    """What a turn directory without a trustworthy record reads as: its ids decoded from the
+    directory names where possible (the names themselves otherwise), state CORRUPT."""
+    from .ids import decode
+
+    return TurnRecord(task_id=decode(task_key) or task_key, turn_id=decode(turn_key) or turn_key,
+                      task_key=task_key, turn_key=turn_key, state=CORRUPT, started_at=started_at,
+                      problem=problem)
 
 
 @dataclass(slots=True)

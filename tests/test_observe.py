@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from cgturn import observe
+from cgturn.kernel import observe
 from conftest import PY, wait_until
 
 

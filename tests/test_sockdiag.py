@@ -114,7 +114,7 @@ def test_cgroup_ids_come_to_an_unprivileged_caller_too():
 
 def test_a_dump_without_cgroup_ids_sends_ports_to_psutil(monkeypatch):
     """Kernels before 5.7 send no ids (not reproducible on this one, hence the stand-in dump)."""
-    from cgturn import observe
+    from cgturn.kernel import observe
 
     monkeypatch.setattr(sockdiag, "listening_sockets",
                         lambda: [sockdiag.ListeningSocket("tcp", "127.0.0.1", 80, None)])

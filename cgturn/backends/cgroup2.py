@@ -14,22 +14,21 @@ until the subtree is empty (what runc does).
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import signal
 import subprocess
 from typing import Callable, Iterable
 
-from ..errors import NoSuchTurn, TurnExists, UnsafeOperation, translate
+from ..errors import AccessDenied, NoSuchTurn, TurnExists, UnsafeOperation
 from ..kernel import parsers, procfs
-from ..kernel.cgroupfs import (CPU_STAT_FILE, MEMORY_CURRENT_FILE, STAT_FILE, Cgroup, KillUnsupported, read_head,
-                               read_procs, read_text, walk_tree)
+from ..kernel.cgroupfs import (CPU_STAT_FILE, MEMORY_CURRENT_FILE, STAT_FILE, Cgroup, KillUnsupported, child_entries,
+                               read_head, read_procs, read_text, walk_tree)
 from ..kernel.discovery import own_cgroup_dir
-from ..model import COMPLETED, RUNNING, TurnRecord, TurnView
+from ..model import COMPLETED, CORRUPT, RUNNING, TurnRecord, TurnView
 from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn
 from .gates import SpawnGates, gate_directory
-from .metadata import MetadataStore, locked
+from .metadata import MetadataStore
 
 log = logging.getLogger("cgturn")
 
@@ -45,14 +44,24 @@ FALLBACK_ROUNDS = 50
 class Cgroup2Backend(Backend):
     name = "cgroup2"
 
-    def __init__(self, root: str, mount: str, state_dir: str, fsroot: str = "/", use_xattrs: bool = True):
+    def __init__(self, root: str, mount: str, state_dir: str, fsroot: str = "/", use_xattrs: bool = True,
+                 cgroup_kill: bool | None = None):
         self.root = Cgroup(os.path.normpath(root))
         self.mount, self.fsroot = mount, fsroot
+        self.state_dir = state_dir
         self.meta = MetadataStore(state_dir, use_xattrs)
-        # Decided once, on first refusal (trio-style capability flag); tests set it to force the
+        # Decided once (discovery looked without writing; None = not known yet, so try it), and
+        # switched off on the first refusal (trio-style capability flag); tests set it to force the
         # freeze fallback.
-        self.cgroup_kill_works = True
-        self.gates = SpawnGates(gate_directory(os.path.join(state_dir, "spawn")))
+        self.cgroup_kill_works = cgroup_kill is not False
+        self._gates: SpawnGates | None = None
+
+    @property
+    def gates(self) -> SpawnGates:
+        """The spawn gates, made on the first spawn: a read-only user creates no gate directory."""
+        if self._gates is None:
+            self._gates = SpawnGates(gate_directory(os.path.join(self.state_dir, "spawn")))
+        return self._gates
 
     @property
     def scope(self) -> str:
@@ -80,23 +89,22 @@ class Cgroup2Backend(Backend):
         for _ in range(20):  # a concurrent remove_task may rmdir the task between our two mkdirs
             task.create()
             try:
-                os.mkdir(cg.path)
+                cg.make()
             except FileNotFoundError:
                 continue
             except FileExistsError:
                 if not self._replace_finished(cg):
                     raise TurnExists(f"turn {record.turn_id!r} already exists in task {record.task_id!r}") from None
                 continue
-            except OSError as err:
-                raise translate("mkdir", cg.path, err) from err
             self.meta.save(cg, record)
             return
         raise TurnExists(f"could not create turn {record.turn_id!r}: its task directory keeps vanishing")
 
     def _replace_finished(self, cg: Cgroup) -> bool:
-        """Remove an existing turn cgroup if it is a completed turn with nothing left in it."""
+        """Remove an existing turn cgroup that holds nothing and will hold nothing: a completed turn,
+        or a directory whose creator died before writing its record."""
         rec = self.meta.load(cg)
-        if rec is None or rec.state != COMPLETED or cg.populated():
+        if rec is None or rec.state not in (COMPLETED, CORRUPT) or cg.populated():
             return False
         removed = cg.remove_tree(timeout=0.5)
         if removed:
@@ -104,11 +112,7 @@ class Cgroup2Backend(Backend):
         return removed
 
     def load(self, task_key: str, turn_key: str) -> TurnRecord | None:
-        cg = self.turn_cgroup(task_key, turn_key)
-        rec = self.meta.load(cg)
-        if rec is None and cg.exists():
-            return None  # being created (metadata not written yet) or foreign: not ours to show
-        return rec
+        return self.meta.load(self.turn_cgroup(task_key, turn_key))
 
     def records(self, task_key: str | None = None) -> list[TurnRecord]:
         tasks = [self.root.child(task_key)] if task_key is not None else self.root.children()
@@ -122,7 +126,7 @@ class Cgroup2Backend(Backend):
 
     def transition(self, task_key, turn_key, allowed_from: Iterable[str], to_state, updates):
         cg = self.turn_cgroup(task_key, turn_key)
-        with locked(cg) as present:
+        with cg.lock() as present:
             if not present:
                 return False, None
             rec = self.meta.load(cg)
@@ -179,7 +183,10 @@ class Cgroup2Backend(Backend):
     def members(self, record) -> list[Member]:
         out = []
         for pid in self._cg(record).procs_recursive():
-            started = procfs.start_time(pid)
+            try:
+                started = procfs.start_time(pid)
+            except AccessDenied:
+                started = -1  # in the turn (the kernel says so) though we may not read its start
             if started is not None:
                 out.append((pid, started))
         return out
@@ -199,12 +206,17 @@ class Cgroup2Backend(Backend):
     # --- killing ----------------------------------------------------------------------------------
 
     def _guard(self, cg: Cgroup) -> None:
-        """Refuse to kill or freeze outside the managed root or a cgroup holding the caller."""
+        """Refuse to kill or freeze outside the managed root, or a cgroup holding the caller, one of
+        its ancestors or PID 1."""
         real = os.path.realpath(cg.path)
         if not real.startswith(os.path.realpath(self.root.path) + "/"):
             raise UnsafeOperation(f"refusing to kill {cg.path}: outside the managed root {self.root.path}")
-        if self._contains_caller(cg):
-            raise UnsafeOperation(f"refusing to kill {cg.path}: it contains the calling process {os.getpid()}")
+        me = os.getpid()
+        for pid in sorted(procfs.protected_pids()):
+            where = procfs.cgroup_of("self" if pid == me else pid)
+            if where is not None and self._under(cg, where):
+                who = "the calling process" if pid == me else ("PID 1" if pid == 1 else "an ancestor of the caller")
+                raise UnsafeOperation(f"refusing to kill {cg.path}: it contains {who} ({pid})")
 
     def signal_members(self, record, sig) -> list[int]:
         cg = self._cg(record)
@@ -296,16 +308,7 @@ class Cgroup2Backend(Backend):
         return self._cg(record).path
 
     def remove_task(self, task_key) -> bool:
-        task = self.root.child(task_key)
-        try:
-            os.rmdir(task.path)
-            return True
-        except FileNotFoundError:
-            return True
-        except OSError as err:
-            if err.errno in (errno.EBUSY, errno.ENOTEMPTY):
-                return False
-            raise
+        return self.root.child(task_key).remove_if_empty()
 
     def views(self, task_key=None) -> list[TurnView]:
         """One pass over the tree: per turn two small reads relative to the open task directory,
@@ -323,9 +326,8 @@ class Cgroup2Backend(Backend):
         usage = _UsageReader()
         out: list[TurnView] = []
         for task_path in tasks:
-            try:
-                task_fd = os.open(task_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            except (FileNotFoundError, NotADirectoryError):
+            task_fd = Cgroup(task_path).open_dir()
+            if task_fd is None:
                 continue
             try:
                 out.extend(self._task_views(task_path, task_fd, usage))
@@ -334,10 +336,7 @@ class Cgroup2Backend(Backend):
         return out
 
     def _task_views(self, task_path: str, task_fd: int, usage: "_UsageReader") -> list[TurnView]:
-        try:
-            entries = [(e.name, e.inode()) for e in os.scandir(task_fd) if e.is_dir(follow_symlinks=False)]
-        except FileNotFoundError:
-            return []
+        entries = child_entries(task_fd)
         # Turns rarely have sub-cgroups: when the task's cgroup.stat counts no more descendants
         # than it has turns, none has, and no turn needs a walk of its own.
         nested = _descendant_count(Cgroup(task_path)) != len(entries)

@@ -18,27 +18,38 @@ getxattr and a JSON parse per turn). A turn cgroup that was removed and made aga
 which is part of the key, so it is never confused with its predecessor. (A writer killed between its
 two writes leaves the token unchanged: a long-running lister then shows that one state change only
 after the task's next record write.)
+
+A record is a note, the directory is the truth: a record is used only if it agrees with the
+directory it was read from (its ids encode to the directory's names, its fields have their types).
+A missing, unreadable or disagreeing record reads as a CORRUPT turn of that directory — listed,
+and killed by any abandon — never as the turn it names.
 """
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import logging
 import os
-from contextlib import contextmanager
+import time
 
+from .. import ids
 from ..kernel.cgroupfs import Cgroup, get_xattr
-from ..model import TurnRecord
+from ..model import CORRUPT, STATES, TurnRecord, corrupt_record
 
 log = logging.getLogger("cgturn")
 
 XATTR_KEY = "user.cgturn"
 GENERATION_KEY = "user.cgturn.generation"  # on the task directory: changes with every record write
-MAX_CACHED_TASKS = 1024  # tasks whose parsed records a store keeps between listings
-# errnos meaning "this filesystem/kernel/user cannot store xattrs here": fall back to files.
-_XATTR_REFUSED = frozenset({errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.EACCES, errno.ENOSPC,
-                            errno.E2BIG})
+MAX_CACHED_TASKS = 1024
+NO_RECORD = "no record"
+# A turn directory gets its record right after its mkdir; one without a record for longer than this
+# lost its creator in between, and reads as CORRUPT (listed, killable, replaceable).
+CREATING_GRACE = 10.0  # tasks whose parsed records a store keeps between listings
+# errnos meaning "this filesystem cannot store xattrs at all": decided once, files from then on.
+_XATTR_UNSUPPORTED = frozenset({errno.ENOTSUP, errno.EOPNOTSUPP})
+# errnos refusing one write (this directory's permissions, this value's size): that record goes to a
+# file, the next one tries the xattr again.
+_XATTR_REFUSED = _XATTR_UNSUPPORTED | frozenset({errno.EPERM, errno.EACCES, errno.ENOSPC, errno.E2BIG})
 
 
 class MetadataStore:
@@ -56,42 +67,61 @@ class MetadataStore:
         return os.path.join(self.state_dir, "meta", os.path.basename(task), turn + ".json")
 
     def load(self, cg: Cgroup) -> TurnRecord | None:
-        """The record of the turn at `cg`, or None (not yet written, or the cgroup is gone)."""
+        """The record of the turn at `cg`; a CORRUPT record when the directory has no trustworthy
+        one; None when the directory is gone."""
+        rec, problem = self._read(cg)
+        if rec is not None:
+            return rec
+        try:
+            created = os.stat(cg.path).st_ctime
+        except FileNotFoundError:
+            return None
+        if problem == NO_RECORD and time.time() - created < CREATING_GRACE:
+            return None  # its creator is between mkdir and the record write: not a turn yet
+        return corrupt_record(os.path.basename(os.path.dirname(cg.path)), cg.name, problem, created)
+
+    def _read(self, cg: Cgroup) -> tuple[TurnRecord | None, str]:
+        """(the verified record, "") or (None, why there is none)."""
         if self.use_xattrs:
             try:
                 raw = cg.get_xattr(XATTR_KEY)
             except OSError as err:
                 if err.errno not in _XATTR_REFUSED:
-                    return None
+                    return None, f"record unreadable: {os.strerror(err.errno or 0)}"
                 raw = None
             if raw is not None:
-                return _decode(raw)
+                return verified(_decode(raw), cg.path)
         try:
             with open(self._file(cg), "rb") as f:
                 data = json.loads(f.read())
-            if data.pop("_inode", None) != cg.inode():
-                return None  # left behind by an earlier cgroup of the same name
-            return TurnRecord.from_json(data)
-        except (OSError, ValueError):
-            return None
+        except FileNotFoundError:
+            return None, NO_RECORD
+        except (OSError, ValueError, RecursionError) as err:
+            return None, f"record file unreadable: {err}"
+        if not isinstance(data, dict) or data.pop("_inode", None) != _inode(cg):
+            return None, NO_RECORD  # a file left behind by an earlier cgroup of the same name
+        return verified(_from_json(data), cg.path)
 
     def load_task(self, task_path: str, entries: list[tuple[str, int]]) -> dict[str, TurnRecord]:
         """Records of the turns `entries` ((name, inode) pairs) of one task directory, by name.
 
         Reuses what an earlier call parsed while the task's generation token is unchanged (the
         token is read before any record, so a write racing this call is seen by the next one).
-        Turns without a readable record are left out.
+        Turns without a trustworthy record are in it as CORRUPT records.
         """
         token = self._generation(task_path)
         cached = self._parsed.get(task_path)
         reusable = cached[1] if cached is not None and token is not None and cached[0] == token else {}
         found: dict[tuple[str, int], TurnRecord] = {}
+        corrupt: dict[str, TurnRecord] = {}
         for name, inode in entries:
             rec = reusable.get((name, inode))
             if rec is None:
                 rec = self.load(Cgroup(f"{task_path}/{name}"))
-            if rec is not None:
+            if rec is not None and rec.state != CORRUPT:
                 found[(name, inode)] = rec
+            elif rec is not None:
+                corrupt[name] = rec  # never cached: the next listing looks again
         if token is None:
             self._parsed.pop(task_path, None)
         else:
@@ -100,7 +130,7 @@ class MetadataStore:
                 # rather than grow without bound in a long-running process.
                 self._parsed.clear()
             self._parsed[task_path] = (token, found)
-        return {name: rec for (name, _), rec in found.items()}
+        return {**{name: rec for (name, _), rec in found.items()}, **corrupt}
 
     def forget_tasks_except(self, task_paths) -> None:
         """Drop cached records of task directories not in `task_paths` (they are gone)."""
@@ -121,52 +151,66 @@ class MetadataStore:
     def _bump_generation(self, cg: Cgroup) -> None:
         """Give the task directory above `cg` a fresh token, after a record write. Should that
         fail, remove the token so no reader can trust what it parsed before."""
-        task_path = os.path.dirname(cg.path)
+        task = Cgroup(os.path.dirname(cg.path))
         try:
-            os.setxattr(task_path, GENERATION_KEY, os.urandom(8).hex().encode())
+            task.set_xattr(GENERATION_KEY, os.urandom(8).hex().encode())
         except OSError as err:
             try:
-                os.removexattr(task_path, GENERATION_KEY)
+                task.remove_xattr(GENERATION_KEY)
             except OSError:
                 pass
             log.warning("could not stamp %s after a record write (%s); listings re-read its records",
                         task_path, os.strerror(err.errno or 0))
 
     def save(self, cg: Cgroup, record: TurnRecord) -> None:
-        raw = json.dumps(record.to_json(), ensure_ascii=False).encode()
+        """Store `record` on `cg`: as its xattr, else (refused for this write) as a state-dir file."""
+        raw = json.dumps(record.to_json(), ensure_ascii=False).encode("utf-8", "surrogateescape")
         if self.use_xattrs:
             try:
                 cg.set_xattr(XATTR_KEY, raw)
                 self._bump_generation(cg)
+                self._forget_file(cg)
                 return
             except OSError as err:
                 if err.errno not in _XATTR_REFUSED:
                     raise
-                log.warning("xattrs refused on %s (%s); keeping turn records under %s/meta",
-                            cg.path, os.strerror(err.errno), self.state_dir)
-                self.use_xattrs = False
+                if err.errno in _XATTR_UNSUPPORTED:
+                    log.warning("xattrs unsupported on %s (%s); keeping turn records under %s/meta",
+                                cg.path, os.strerror(err.errno), self.state_dir)
+                    self.use_xattrs = False
+                else:
+                    log.info("record xattr refused on %s (%s); this record goes to %s/meta",
+                             cg.path, os.strerror(err.errno), self.state_dir)
+                    # An older xattr would be read before the file: it must not outlive this write.
+                    cg.remove_xattr(XATTR_KEY)
+                    self._bump_generation(cg)
         path = self._file(cg)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         data = record.to_json()
-        data["_inode"] = cg.inode()
+        data["_inode"] = _inode(cg)
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:
             json.dump(data, f, ensure_ascii=False)
         os.replace(tmp, path)
 
     def forget(self, cg: Cgroup) -> None:
         """Drop the fallback file of a removed turn (the xattr goes with the directory)."""
-        try:
-            os.unlink(self._file(cg))
-        except FileNotFoundError:
-            pass
+        self._forget_file(cg)
         try:
             os.rmdir(os.path.dirname(self._file(cg)))
         except OSError:
             pass
 
+    def _forget_file(self, cg: Cgroup) -> None:
+        try:
+            os.unlink(self._file(cg))
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+
 
 _DECODER = json.JSONDecoder()
+_STR_FIELDS = ("task_id", "turn_id", "task_key", "turn_key", "state")
+_INT_FIELDS = ("owner_pid", "owner_start", "killer_pid", "killer_start")
 
 
 def _decode(raw: bytes) -> TurnRecord | None:
@@ -175,23 +219,53 @@ def _decode(raw: bytes) -> TurnRecord | None:
     try:
         text = raw.decode()
         data, end = _DECODER.raw_decode(text)
-        if end != len(text):
-            return None
-        return TurnRecord.from_json(data)
-    except (ValueError, TypeError, AttributeError):
+    except (ValueError, RecursionError):
         return None
+    if end != len(text) or not isinstance(data, dict):
+        return None
+    return _from_json(data)
 
 
-@contextmanager
-def locked(cg: Cgroup):
-    """Hold an exclusive flock on the cgroup directory. Yields False if the directory is gone."""
+def _from_json(data: dict) -> TurnRecord | None:
+    """A TurnRecord from stored JSON whose fields have their types; None otherwise."""
     try:
-        fd = os.open(cg.path, os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
-        yield False
-        return
+        rec = TurnRecord.from_json(data)
+    except TypeError:
+        return None
+    if not all(isinstance(getattr(rec, name), str) for name in _STR_FIELDS):
+        return None
+    if not all(getattr(rec, name) is None or type(getattr(rec, name)) is int for name in _INT_FIELDS):
+        return None
+    if not isinstance(rec.started_at, (int, float)) or rec.state not in STATES:
+        return None
+    if not (rec.reason is None or isinstance(rec.reason, str)):
+        return None
+    return rec
+
+
+def verified(rec: TurnRecord | None, path: str) -> tuple[TurnRecord | None, str]:
+    """(rec, "") when `rec` is the record of the turn directory at `path`; (None, why) otherwise.
+
+    The ids must be valid and encode to the directory's names, and the stored keys must be those
+    names: a record copied from another turn's directory names that turn, not this one.
+    """
+    if rec is None:
+        return None, "record unreadable"
+    turn_key = os.path.basename(path)
+    task_key = os.path.basename(os.path.dirname(path))
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield True
-    finally:
-        os.close(fd)
+        agrees = (rec.task_key == task_key and rec.turn_key == turn_key
+                  and ids.encode(ids.validate(rec.task_id, "task")) == task_key
+                  and ids.encode(ids.validate(rec.turn_id, "turn")) == turn_key)
+    except ValueError:
+        agrees = False
+    if not agrees:
+        return None, f"record names turn {rec.turn_id!r} of task {rec.task_id!r}, not this directory"
+    return rec, ""
+
+
+def _inode(cg: Cgroup) -> int | None:
+    try:
+        return cg.inode()
+    except OSError:
+        return None

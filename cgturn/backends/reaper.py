@@ -8,14 +8,13 @@ a Popen of ours started: that exit status belongs to the Popen.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import select
 import threading
 import time
 
-from ..kernel import procfs
+from ..kernel import libc, procfs
 from .base import Member, turn_tag
 
 log = logging.getLogger("cgturn")
@@ -26,8 +25,6 @@ REAPER_INTERVAL = 0.05
 REAPER_IDLE_INTERVAL = 1.0
 BUSY_GRACE = 4  # quick sweeps after the last sign of activity, in intervals
 
-_PR_SET_CHILD_SUBREAPER = 36  # prctl(2), Linux 3.4+
-_PR_GET_CHILD_SUBREAPER = 37
 
 
 # --- process-wide state: the subreaper flag and the children Popen owns ---------------------------
@@ -42,20 +39,9 @@ _subreaper_users = 0
 _subreaper_was_set = False
 
 
-def _prctl(option: int, arg) -> int:
-    libc = ctypes.CDLL(None, use_errno=True)
-    rc = libc.prctl(option, arg, 0, 0, 0)
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return rc
-
-
 def is_child_subreaper() -> bool:
     """Whether this process is a child subreaper (prctl PR_GET_CHILD_SUBREAPER)."""
-    value = ctypes.c_int(0)
-    _prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(value))
-    return bool(value.value)
+    return libc.is_child_subreaper()
 
 
 def acquire_subreaper() -> None:
@@ -65,7 +51,7 @@ def acquire_subreaper() -> None:
         if _subreaper_users == 0:
             _subreaper_was_set = is_child_subreaper()
             if not _subreaper_was_set:
-                _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+                libc.set_child_subreaper(True)
         _subreaper_users += 1
 
 
@@ -74,7 +60,7 @@ def release_subreaper() -> None:
     with _SUBREAPER_LOCK:
         _subreaper_users -= 1
         if _subreaper_users == 0 and not _subreaper_was_set:
-            _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+            libc.set_child_subreaper(False)
 
 
 def note_spawned(pid: int, started: int | None) -> None:
@@ -136,7 +122,7 @@ class OrphanReaper(threading.Thread):
         is always listed by the time it is checked.
         """
         me = os.getpid()
-        for pid in _children_of(me):
+        for pid in procfs.children_of(me):
             st = procfs.stat(pid)
             if st is None or st.ppid != me:
                 continue
@@ -228,17 +214,3 @@ class OrphanReaper(threading.Thread):
             self.attributed.clear()
             os.close(self._wake_r)
             os.close(self._wake_w)
-
-
-def _children_of(pid: int) -> list[int]:
-    """Children of `pid`: /proc/PID/task/*/children (CONFIG_PROC_CHILDREN), else a /proc scan."""
-    out: list[int] = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out.extend(int(child) for child in f.read().split())
-        return out
-    except FileNotFoundError:
-        return procfs.all_pids()  # the caller filters by ppid
-    except OSError:
-        return procfs.all_pids()

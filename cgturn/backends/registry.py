@@ -24,7 +24,6 @@ waitpid(-1) and never waits for a process this backend spawned (a Popen owns tha
 """
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -34,7 +33,7 @@ import subprocess
 import time
 from typing import Callable, Iterable
 
-from ..errors import NoSuchTurn, TurnExists, translate
+from ..errors import AccessDenied, NoSuchProcess, NoSuchTurn, TurnExists, translate
 from ..kernel import procfs
 from ..model import COMPLETED, RUNNING, TurnRecord
 from .base import Backend, Member, prepare_spawn, turn_tag, with_environment
@@ -66,7 +65,10 @@ class _Snapshot:
         # pid -> (task_key, turn_key) for processes whose environment names `scope`
         self.tagged: dict[int, tuple[str, str]] = {}
         for pid in procfs.all_pids():
-            st = procfs.stat(pid)
+            try:
+                st = procfs.stat(pid)
+            except AccessDenied:
+                continue  # not ours to look at, so never a member (hidepid)
             if st is None:
                 continue
             self.stats[pid] = st
@@ -185,10 +187,10 @@ class RegistryBackend(Backend):
 
     def adopt(self, record, pid) -> None:
         self._ensure_reaper()
-        started = procfs.start_time(pid)
-        if started is None:
-            raise translate("adopt", f"/proc/{pid}", ProcessLookupError(errno.ESRCH, os.strerror(errno.ESRCH)))
         st = procfs.stat(pid)
+        if st is None:
+            raise NoSuchProcess(pid, f"cannot adopt process {pid}: it does not exist")
+        started = st.start_time
         if st is not None and st.ppid == os.getpid():
             with SPAWN_LOCK:  # our own child: some Popen may be waiting for it, never reap it
                 note_spawned(pid, started)

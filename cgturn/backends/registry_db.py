@@ -13,7 +13,7 @@ import threading
 from typing import Iterator
 
 from ..errors import RegistryUnavailable
-from ..model import TurnRecord
+from ..model import STORED_FIELDS, TurnRecord
 
 BUSY_TIMEOUT = 10.0
 _SQL_TYPES = {"str": "TEXT", "int": "INTEGER", "float": "REAL"}
@@ -23,6 +23,8 @@ def _turn_columns() -> list[tuple[str, str]]:
     """(name, SQL type) of every TurnRecord field: the turns table follows the dataclass."""
     out = []
     for f in dataclasses.fields(TurnRecord):
+        if f.name not in STORED_FIELDS:
+            continue
         kind = str(f.type).split("|")[0].strip()
         out.append((f.name, _SQL_TYPES.get(kind, "TEXT")))
     return out

@@ -5,17 +5,15 @@ Errors carry the path and the data written. Each operation decides its errnos ex
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import contextlib
 import errno
-import functools
+import fcntl
 import os
 import select
-import sys
 import time
 
 from ..errors import translate
-from . import parsers
+from . import libc, parsers, procfs
 
 PROCS_FILE = "cgroup.procs"
 EVENTS_FILE = "cgroup.events"
@@ -121,10 +119,8 @@ class Cgroup:
         return [Cgroup(path) for path, _ in walk_tree(self.path)[1:]]
 
     def children(self) -> list["Cgroup"]:
-        try:
-            return [self.child(e.name) for e in os.scandir(self.path) if e.is_dir(follow_symlinks=False)]
-        except FileNotFoundError:
-            return []
+        """The cgroups directly below this one; [] when it is gone."""
+        return [self.child(name) for name, _ in child_entries(self.path)]
 
     def procs_recursive(self) -> list[int]:
         """Pids in this cgroup and every descendant (a payload may create sub-cgroups)."""
@@ -225,6 +221,32 @@ class Cgroup:
         except OSError as err:
             raise translate("mkdir", self.path, err) from err
 
+    def make(self) -> None:
+        """mkdir this cgroup, which must not exist yet.
+
+        Raises:
+            FileExistsError: it exists. FileNotFoundError: its parent does not (removed meanwhile).
+            CgturnError: anything else, translated with the path.
+        """
+        try:
+            os.mkdir(self.path)
+        except (FileExistsError, FileNotFoundError):
+            raise
+        except OSError as err:
+            raise translate("mkdir", self.path, err) from err
+
+    def remove_if_empty(self) -> bool:
+        """One rmdir: True when the cgroup is gone, False while it has children or processes."""
+        try:
+            os.rmdir(self.path)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError as err:
+            if err.errno in (errno.EBUSY, errno.ENOTEMPTY):
+                return False
+            raise translate("rmdir", self.path, err) from err
+
     def remove(self, timeout: float = 2.0) -> bool:
         """rmdir this cgroup. True when it is gone, False if it still holds processes or children.
 
@@ -272,7 +294,40 @@ class Cgroup:
             raise
 
     def set_xattr(self, key: str, value: bytes) -> None:
+        """Set xattr `key`. Raises OSError: callers decide per errno (ENOTSUP, EACCES, E2BIG...)."""
         os.setxattr(self.path, key, value)
+
+    def remove_xattr(self, key: str) -> None:
+        """Remove xattr `key`; absent already is fine."""
+        try:
+            os.removexattr(self.path, key)
+        except OSError as err:
+            if err.errno not in (errno.ENODATA, errno.ENOENT):
+                raise
+
+    @contextlib.contextmanager
+    def lock(self):
+        """Hold an exclusive flock(2) on the cgroup directory (works on cgroupfs).
+
+        Yields False, holding nothing, when the directory is gone.
+        """
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            yield False
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield True
+        finally:
+            os.close(fd)
+
+    def open_dir(self) -> int | None:
+        """An O_DIRECTORY fd of this cgroup for reads relative to it; None when it is gone."""
+        try:
+            return os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
 
 
 def read_text(path: str, dir_fd: int | None = None) -> str:
@@ -316,15 +371,13 @@ def read_procs(path: str, dir_fd: int | None = None) -> list[int]:
         return []
     except OSError as err:
         raise translate("read", f"{path}/{THREADS_FILE}", err) from err
-    return sorted({pid for pid in map(_tgid_of, tids) if pid is not None})
+    return sorted({pid for pid in map(procfs.tgid_of, tids) if pid is not None})
 
 
 # A turn record is a few hundred bytes. CPython's os.getxattr asks for 128 bytes first and, on
 # ERANGE, again with 64 KiB (which the kernel allocates for the copy): two syscalls per record.
 # Asking once with room for any realistic record halves the cost of reading 1000 turns' records.
 XATTR_READ_SIZE = 4096
-_FS_ENCODING = sys.getfilesystemencoding()  # os.fsencode's rules, without its Python-level cost
-_XattrBuffer = ctypes.c_char * XATTR_READ_SIZE  # one type, not one per call (create_string_buffer)
 
 
 def get_xattr(path: str, key: str) -> bytes:
@@ -332,14 +385,22 @@ def get_xattr(path: str, key: str) -> bytes:
 
     Raises OSError like os.getxattr (ENODATA when the attribute is absent).
     """
-    buf = _XattrBuffer()
-    size = _libc().getxattr(path.encode(_FS_ENCODING, "surrogateescape"), key.encode(), buf, XATTR_READ_SIZE)
-    if size >= 0:
-        return ctypes.string_at(buf, size)
-    err = ctypes.get_errno()
-    if err == errno.ERANGE:
-        return os.getxattr(path, key)
-    raise OSError(err, os.strerror(err), path)
+    try:
+        return libc.getxattr(path, key, XATTR_READ_SIZE)
+    except OSError as err:
+        if err.errno == errno.ERANGE:
+            return os.getxattr(path, key)
+        raise
+
+
+def child_entries(path: str | int) -> list[tuple[str, int]]:
+    """(name, cgroup id) of the cgroups directly below `path` (a path or an open directory fd);
+    [] when it is gone. The id is the kernfs inode number getdents reports, so no stat is needed."""
+    try:
+        with os.scandir(path) as entries:
+            return [(e.name, e.inode()) for e in entries if e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def read_head(path: str, size: int = 4096, dir_fd: int | None = None) -> str:
@@ -373,34 +434,9 @@ def walk_tree(path: str) -> list[tuple[str, int]]:
     return out
 
 
-def _tgid_of(tid: int) -> int | None:
-    """The process (thread group) a thread id belongs to; None when it is gone."""
-    try:
-        with open(f"/proc/{tid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Tgid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None
-
-
 def is_cgroup2(path: str) -> bool:
     """True if `path` lies on a cgroup2 filesystem (statfs(2) magic CGROUP2_SUPER_MAGIC)."""
-    buf = _StatFs()
-    if _libc().statfs(os.fsencode(path), ctypes.byref(buf)) != 0:
+    try:
+        return libc.filesystem_magic(path) == CGROUP2_SUPER_MAGIC
+    except OSError:
         return False
-    return buf.f_type & 0xFFFFFFFF == CGROUP2_SUPER_MAGIC
-
-
-class _StatFs(ctypes.Structure):
-    # struct statfs begins with f_type (__fsword_t, a long); the rest is only room for the kernel.
-    _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_byte * 120)]
-
-
-@functools.lru_cache(maxsize=1)
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.getxattr.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
-    libc.getxattr.restype = ctypes.c_ssize_t
-    return libc

@@ -4,6 +4,14 @@ A process is identified by (pid, start time), start time being /proc/PID/stat fi
 since boot): a recycled pid gets a new start time, so a stale record never matches a new process.
 Signals go through pidfds (5.3+) where possible: once opened, a pidfd can only ever reach the process
 it was opened for.
+
+"Gone" and "not allowed to look" are different answers (psutil's NoSuchProcess / AccessDenied):
+`ProcFS` translates every OSError in one place, `_translate`, so a caller that acts on "gone" (reap,
+the sentinel) never acts on a process it merely could not read (`hidepid=1` gives EPERM). A zombie
+has exited: it reads as not alive, while its pid is still taken.
+
+`ProcFS` owns its root (default /proc), so a test can hand it another one; the module-level functions
+use the default instance.
 """
 from __future__ import annotations
 
@@ -12,90 +20,224 @@ import os
 import signal
 from dataclasses import dataclass
 
+from ..errors import AccessDenied, KernelError, NoSuchProcess
 from . import parsers
 
 PROC = "/proc"
+_GONE = frozenset({errno.ENOENT, errno.ESRCH})
+_DENIED = frozenset({errno.EACCES, errno.EPERM})
+DEAD_STATES = ("Z", "X")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ProcStat:
     pid: int
     state: str
     ppid: int
     start_time: int
 
+    @property
+    def exited(self) -> bool:
+        """A zombie (or a dead task being reaped): it runs no more, though its pid is still taken."""
+        return self.state in DEAD_STATES
+
+
+def _translate(pid: int | str, what: str, err: OSError) -> Exception:
+    if err.errno in _GONE:
+        return NoSuchProcess(pid if isinstance(pid, int) else -1)
+    if err.errno in _DENIED:
+        return AccessDenied(pid if isinstance(pid, int) else -1,
+                            f"not allowed to read /proc/{pid}/{what}: {err.strerror}")
+    return KernelError("read", f"/proc/{pid}/{what}", err)
+
+
+class ProcFS:
+    """One procfs mount. Reads raise NoSuchProcess, AccessDenied or KernelError (with the path)."""
+
+    __slots__ = ("root",)
+
+    def __init__(self, root: str = PROC):
+        self.root = root
+
+    def read(self, pid: int | str, what: str) -> bytes:
+        """The raw content of /proc/PID/what."""
+        try:
+            fd = os.open(f"{self.root}/{pid}/{what}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as err:
+            raise _translate(pid, what, err) from err
+        try:
+            chunks = []
+            while True:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    return b"".join(chunks)
+                chunks.append(chunk)
+        except OSError as err:
+            raise _translate(pid, what, err) from err
+        finally:
+            os.close(fd)
+
+    def stat(self, pid: int) -> ProcStat:
+        """/proc/PID/stat parsed."""
+        state, ppid, start = parsers.parse_proc_stat(self.read(pid, "stat").decode("utf-8", "replace"))
+        return ProcStat(pid, state, ppid, start)
+
+    def environ(self, pid: int) -> dict[str, str]:
+        """The initial environment of `pid` (empty for a zombie or a kernel thread)."""
+        return parsers.parse_environ(self.read(pid, "environ"))
+
+    def cmdline(self, pid: int) -> str:
+        """The command line joined with spaces ('' for a kernel thread or a zombie)."""
+        return self.read(pid, "cmdline").rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
+
+    def cgroup(self, pid: int | str) -> str | None:
+        """The cgroup v2 path as /proc/PID/cgroup shows it; None when it has no v2 line."""
+        return parsers.parse_proc_cgroup(self.read(pid, "cgroup").decode("utf-8", "replace"))
+
+    def rss_pages(self, pid: int) -> int:
+        """Resident pages (/proc/PID/statm, second field)."""
+        return int(self.read(pid, "statm").split()[1])
+
+    def tgid(self, tid: int) -> int:
+        """The process (thread group) thread `tid` belongs to (/proc/TID/status `Tgid:`)."""
+        for line in self.read(tid, "status").splitlines():
+            if line.startswith(b"Tgid:"):
+                return int(line.split()[1])
+        raise NoSuchProcess(tid)
+
+    def children(self, pid: int) -> list[int]:
+        """Children of `pid` from /proc/PID/task/*/children (CONFIG_PROC_CHILDREN, 3.5+)."""
+        try:
+            tids = os.listdir(f"{self.root}/{pid}/task")
+        except OSError as err:
+            raise _translate(pid, "task", err) from err
+        out: list[int] = []
+        for tid in tids:
+            try:
+                out.extend(int(child) for child in self.read(pid, f"task/{tid}/children").split())
+            except NoSuchProcess:
+                continue  # that thread exited meanwhile
+        return out
+
+    def pids(self) -> list[int]:
+        """Every pid visible in this procfs."""
+        return [int(name) for name in os.listdir(self.root) if name.isdigit()]
+
+
+DEFAULT = ProcFS()
+
+
+# --- the questions callers ask, on the default procfs ---------------------------------------------
 
 def stat(pid: int) -> ProcStat | None:
-    """/proc/PID/stat parsed; None when the process is gone (or unreadable)."""
+    """/proc/PID/stat parsed; None when the process is gone. Raises AccessDenied when unreadable."""
     try:
-        with open(f"{PROC}/{pid}/stat", "rb") as f:
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
+        return DEFAULT.stat(pid)
+    except NoSuchProcess:
         return None
-    try:
-        state, ppid, start = parsers.parse_proc_stat(text)
     except (ValueError, IndexError):
-        return None
-    return ProcStat(pid, state, ppid, start)
+        return None  # a truncated read of a task being torn down
 
 
 def start_time(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot, or None when it does not exist."""
+    """Start time of `pid` in clock ticks since boot, or None when it does not exist.
+
+    Raises AccessDenied when it cannot be read.
+    """
     st = stat(pid)
     return st.start_time if st else None
 
 
 def is_alive(pid: int, started: int) -> bool:
-    """True if `pid` is running and is the process that started at `started` (not a zombie)."""
+    """True if `pid` runs and is the process that started at `started` (a zombie has exited).
+
+    Raises AccessDenied when that cannot be told: never read "cannot look" as "dead".
+    """
+    if pid <= 0:
+        return False
     st = stat(pid)
-    return st is not None and st.start_time == started and st.state not in ("Z", "X")
+    return st is not None and st.start_time == started and not st.exited
 
 
 def environ(pid: int) -> dict[str, str] | None:
-    """The initial environment of `pid`; None when gone or not readable (other user, zombie)."""
+    """The initial environment of `pid`; None when gone or not readable (another user's process:
+    such a process is never taken for a turn member by its environment)."""
     try:
-        with open(f"{PROC}/{pid}/environ", "rb") as f:
-            data = f.read()
-    except OSError:
+        return DEFAULT.environ(pid)
+    except (NoSuchProcess, AccessDenied):
         return None
-    return parsers.parse_environ(data)
 
 
 def cmdline(pid: int) -> str:
-    """The command line of `pid` joined with spaces; '' when gone or a kernel thread."""
+    """The command line of `pid` joined with spaces; '' when gone, unreadable or a kernel thread."""
     try:
-        with open(f"{PROC}/{pid}/cmdline", "rb") as f:
-            data = f.read()
-    except OSError:
+        return DEFAULT.cmdline(pid)
+    except (NoSuchProcess, AccessDenied):
         return ""
-    return data.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
 
 
 def cgroup_of(pid: int | str) -> str | None:
-    """The cgroup v2 path of a process as /proc/PID/cgroup shows it; None when gone."""
+    """The cgroup v2 path of a process as /proc/PID/cgroup shows it; None when gone or unreadable."""
     try:
-        with open(f"{PROC}/{pid}/cgroup") as f:
-            return parsers.parse_proc_cgroup(f.read())
-    except OSError:
+        return DEFAULT.cgroup(pid)
+    except (NoSuchProcess, AccessDenied):
+        return None
+
+
+def tgid_of(tid: int) -> int | None:
+    """The process a thread id belongs to; None when it is gone or unreadable."""
+    try:
+        return DEFAULT.tgid(tid)
+    except (NoSuchProcess, AccessDenied, ValueError):
+        return None
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Resident bytes of `pid`; None when gone or unreadable."""
+    try:
+        return DEFAULT.rss_pages(pid) * PAGE_SIZE
+    except (NoSuchProcess, AccessDenied, ValueError, IndexError):
+        return None
+
+
+def children_of(pid: int) -> list[int]:
+    """Children of `pid`; a /proc scan by ppid where /proc/PID/task/*/children is missing."""
+    try:
+        return DEFAULT.children(pid)
+    except NoSuchProcess:
+        return []
+    except (AccessDenied, KernelError):
+        return [p for p in all_pids() if (st := _stat_or_none(p)) is not None and st.ppid == pid]
+
+
+def _stat_or_none(pid: int) -> ProcStat | None:
+    try:
+        return stat(pid)
+    except AccessDenied:
         return None
 
 
 def all_pids() -> list[int]:
-    return [int(name) for name in os.listdir(PROC) if name.isdigit()]
+    return DEFAULT.pids()
+
+
+def is_kernel_thread(st: ProcStat) -> bool:
+    """Kernel threads are kthreadd (pid 2) and its children (see kernel/kthread.c)."""
+    return st.pid == 2 or st.ppid == 2
 
 
 def ancestors(pid: int) -> set[int]:
     """`pid`'s ancestors up to PID 1 (inclusive), following ppid links."""
     out: set[int] = set()
-    st = stat(pid)
+    st = _stat_or_none(pid)
     while st is not None and st.ppid > 0 and st.ppid not in out:
         out.add(st.ppid)
-        st = stat(st.ppid)
+        st = _stat_or_none(st.ppid)
     return out
 
 
 def protected_pids() -> set[int]:
-    """Pids cgturn never signals: PID 1, the caller and the caller's ancestors."""
+    """Pids cgturn never signals, adopts or freezes: PID 1, the caller and the caller's ancestors."""
     me = os.getpid()
     return {1, me} | ancestors(me)
 
@@ -112,9 +254,14 @@ def open_pidfd(pid: int, started: int | None = None) -> int | None:
         if err.errno == errno.ESRCH:
             return None
         raise
-    if started is not None and start_time(pid) != started:
-        os.close(fd)
-        return None
+    if started is not None:
+        try:
+            same = start_time(pid) == started
+        except AccessDenied:
+            same = False
+        if not same:
+            os.close(fd)
+            return None
     return fd
 
 
@@ -136,3 +283,6 @@ def signal_pid(pid: int, sig: int, started: int | None = None) -> bool:
         return pidfd_signal(fd, sig)
     finally:
         os.close(fd)
+
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")

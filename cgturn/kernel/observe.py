@@ -11,16 +11,13 @@ Knows nothing of tasks or turns: callers hand in cgroup directories or pids.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 
-from .kernel import sockdiag
-from .kernel.cgroupfs import walk_tree
-from .kernel.sockdiag import ListeningSocket
+from . import procfs, sockdiag
+from .cgroupfs import walk_tree
+from .sockdiag import ListeningSocket
 
 log = logging.getLogger("cgturn")
-
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 class DiagUnavailable(Exception):
     """sock_diag cannot be used here (netlink refused or unsupported); use the psutil path."""
@@ -89,18 +86,8 @@ def _unique(sockets) -> list[dict]:
 def rss_bytes(pids: list[int]) -> int | None:
     """Summed resident set size of `pids` (shared pages count once per process); None if none readable.
 
-    Read from /proc/PID/statm (resident pages) directly: psutil costs ~10x more per pid, which
-    dominated `ps` over many turns.
+    Read from /proc/PID/statm directly: psutil costs ~10x more per pid, which dominated `ps` over
+    many turns.
     """
-    total, seen = 0, False
-    for pid in pids:
-        try:
-            fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
-            try:
-                total += int(os.read(fd, 256).split()[1]) * PAGE_SIZE
-            finally:
-                os.close(fd)
-            seen = True
-        except (OSError, ValueError, IndexError):
-            continue
-    return total if seen else (0 if not pids else None)
+    sizes = [size for size in map(procfs.rss_bytes, pids) if size is not None]
+    return sum(sizes) if sizes or not pids else None
