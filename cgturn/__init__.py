@@ -1,16 +1,60 @@
 """cgturn: every turn in its own cgroup; abandoning a turn kills all it started, daemons included.
 
 Public API: `TurnManager`, `Turn`, the result types and the exceptions below. See README.md.
-"""
-from .errors import (CgroupUnavailable, CgturnError, KernelError, NoSuchTurn, PermissionDenied, TurnExists,
-                     UnsafeOperation)
-from .manager import Turn, TurnManager
-from .model import ABANDONED, COMPLETED, RUNNING, AbandonResult, TurnInfo
-from .supervisor import Outcome, Run, Supervisor, reap_disconnected
 
-__all__ = [
-    "TurnManager", "Turn", "AbandonResult", "TurnInfo", "RUNNING", "COMPLETED", "ABANDONED",
-    "CgturnError", "CgroupUnavailable", "PermissionDenied", "TurnExists", "NoSuchTurn", "UnsafeOperation",
-    "KernelError", "Supervisor", "Outcome", "Run", "reap_disconnected",
-]
+Names resolve lazily (PEP 562): `import cgturn` costs almost nothing, so a command that only lists
+turns never pays for asyncio or the supervisor.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "TurnManager": "manager", "Turn": "turn",
+    "AbandonResult": "model", "TurnInfo": "model", "RUNNING": "model", "COMPLETED": "model",
+    "ABANDONED": "model", "CORRUPT": "model",
+    "CgturnError": "errors", "CgroupUnavailable": "errors", "PermissionDenied": "errors", "TurnExists": "errors",
+    "NoSuchTurn": "errors", "UnsafeOperation": "errors", "KernelError": "errors", "NoSuchProcess": "errors",
+    "AccessDenied": "errors", "RegistryUnavailable": "errors",
+    "RecoveryAction": "recovery",
+    "HostInfo": "host", "discover_host": "host", "choose_backend": "host", "doctor_report": "host",
+    "ProcessInfo": "processes",
+    "Supervisor": "supervisor", "Outcome": "supervisor", "Run": "supervisor",
+    "reap_disconnected": "supervisor", "abandon_disconnected": "supervisor",
+    "attach_sentinel": "sentinel",
+}
+# submodules faces may use through the package: the vocabulary and plain helpers
+_SUBMODULES = ("reasons", "processes", "audit", "ids", "errors", "model")
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value  # resolved once
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'cgturn' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from .errors import (AccessDenied, CgroupUnavailable, CgturnError, KernelError, NoSuchProcess, NoSuchTurn,
+                         PermissionDenied, RegistryUnavailable, TurnExists, UnsafeOperation)
+    from .host import HostInfo, choose_backend, discover_host, doctor_report
+    from .manager import TurnManager
+    from .model import ABANDONED, COMPLETED, CORRUPT, RUNNING, AbandonResult, TurnInfo
+    from .processes import ProcessInfo
+    from .recovery import RecoveryAction
+    from .sentinel import attach_sentinel
+    from .supervisor import Outcome, Run, Supervisor, abandon_disconnected, reap_disconnected
+    from .turn import Turn

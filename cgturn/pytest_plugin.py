@@ -22,12 +22,9 @@ import uuid
 
 import pytest
 
-from .backends.base import ENV_SCOPE, ENV_TASK, ENV_TURN
-from . import reasons
-from .errors import CgturnError, TurnExists, UnsafeOperation
-from .kernel import discovery, procfs
-from .kernel.cgroupfs import Cgroup
-from .manager import Turn, TurnManager
+import cgturn
+from cgturn import reasons
+from cgturn.errors import CgroupUnavailable, CgturnError, TurnExists, UnsafeOperation
 
 MODES = ("fail", "warn", "ignore")
 TASK = "pytest"
@@ -61,7 +58,8 @@ def pytest_configure(config):
         settle = float(config.getini("cgturn_settle"))
     except ValueError as err:
         raise pytest.UsageError(f"cgturn_settle must be a number of seconds: {err}") from None
-    config.pluginmanager.register(LeakGuard(config, mode, settle), "cgturn-leakguard")
+    parent, root = plan_roots()
+    config.pluginmanager.register(LeakGuard(config, mode, settle, parent, root), "cgturn-leakguard")
 
 
 def leak_line(where: str, pid: int, command: str) -> str:
@@ -75,16 +73,35 @@ def run_name() -> str:
     return ROOT_PREFIX + uuid.uuid4().hex[:10] + (f"-{worker}" if worker else "")
 
 
-def managed_root_for(host) -> str | None:
-    """`<parent>/<run_name()>`; the parent is CGTURN_ROOT, else pytest's own cgroup."""
-    parent = os.environ.get("CGTURN_ROOT") or host.own_cgroup
-    return os.path.join(parent, run_name()) if parent else None
+def plan_roots() -> tuple[str | None, str | None]:
+    """(parent, managed root) for this run: `<parent>/<run_name()>`, the parent being CGTURN_ROOT,
+    else pytest's own cgroup; (None, None) where cgroup v2 is not usable and the user's settings do
+    not ask for it (the registry fallback then owns the tests' processes).
+
+    Raises:
+        pytest.UsageError: CGTURN_BACKEND=cgroup2 or CGTURN_ROOT ask for cgroup v2 and it cannot
+            be used: the plugin never downgrades silently. Decided without creating anything.
+    """
+    explicit = os.environ.get("CGTURN_ROOT") or None
+    wanted = os.environ.get("CGTURN_BACKEND") or "auto"
+    if wanted == "registry":
+        return None, None
+    host = cgturn.discover_host(explicit)
+    try:
+        with cgturn.TurnManager(root=explicit, backend=wanted):
+            pass  # creates nothing: only the decision is wanted here
+    except (ValueError, CgroupUnavailable) as err:
+        raise pytest.UsageError(f"cgturn plugin: cannot use cgroup v2 as configured: {err}") from None
+    if not host.usable:
+        return None, None
+    parent = explicit or host.own_cgroup
+    return parent, os.path.join(parent, run_name())
 
 
 class _Scope:
     """The turn of one test or one wider-scope fixture, and what to call it in a report."""
 
-    def __init__(self, turn: Turn, label: str, baseline: frozenset[int] = frozenset()):
+    def __init__(self, turn: "cgturn.Turn", label: str, baseline: frozenset[int] = frozenset()):
         self.turn, self.label, self.baseline = turn, label, baseline
         self.claimed: set[int] = set()
 
@@ -92,39 +109,38 @@ class _Scope:
 class LeakGuard:
     """The plugin's state for one pytest process (one xdist worker); registered only when enabled."""
 
-    def __init__(self, config, mode: str, settle: float):
+    def __init__(self, config, mode: str, settle: float, parent: str | None, root: str | None):
         self.config, self.mode, self.settle = config, mode, settle
         self.leaks: list[str] = []          # report lines, gathered from every test report
-        self._mgr: TurnManager | None = None
-        self._cgroup2 = False
-        self._home: Cgroup | None = None    # pytest's original cgroup (cgroup2 backend)
-        self._root: str | None = None
-        self._task = ""
+        self._mgr: cgturn.TurnManager | None = None
+        self._parent_mgr: cgturn.TurnManager | None = None  # owns CGTURN_ROOT if we created it
+        self._cgroup2 = root is not None
+        self._parent, self._root = parent, root
+        # One task per run (and per xdist worker): runs sharing a registry never meet.
+        self._task = os.path.basename(root) if root else run_name()
         self._test: _Scope | None = None    # the running test's turn
-        self._inside: list[Turn] = []       # where pytest is now: test turn, then nested fixture turns
+        self._inside: list[cgturn.Turn] = []  # where pytest is now: test turn, then nested fixture turns
         self._item = None
-        self._saved_env: dict[str, str | None] = {}
         self._seq = 0
         self._claimed: set[int] = set()     # registry: children adopted by wider-scope fixture turns
 
     # --- the manager, made on first use so an xdist controller (which runs no test) creates nothing
 
     @property
-    def mgr(self) -> TurnManager:
+    def mgr(self) -> "cgturn.TurnManager":
         if self._mgr is None:
-            host = discovery.discover(root=None)
-            self._root = managed_root_for(host) if host.cgroup2_mount else None
-            # One task per run (and per xdist worker): runs sharing a registry never meet.
-            self._task = os.path.basename(self._root) if self._root else run_name()
-            self._mgr = TurnManager(root=self._root)
-            self._cgroup2 = self._mgr.backend.name == "cgroup2"
             if self._cgroup2:
-                self._home = Cgroup(host.own_cgroup)
+                parent = cgturn.TurnManager(root=self._parent, backend="cgroup2")
+                if parent.create_root():  # CGTURN_ROOT did not exist: ours to remove at the end
+                    self._parent_mgr = parent
+                self._mgr = cgturn.TurnManager(root=self._root, backend="cgroup2")
+            else:
+                self._mgr = cgturn.TurnManager(backend="registry")
         return self._mgr
 
     # --- entering and leaving a turn --------------------------------------------------------------
 
-    def _begin(self, turn_id: str) -> Turn:
+    def _begin(self, turn_id: str) -> "cgturn.Turn":
         for attempt in range(1, 100):
             try:
                 return self.mgr.begin_turn(self._task, turn_id if attempt == 1 else f"{turn_id}#{attempt}")
@@ -132,20 +148,14 @@ class LeakGuard:
                 continue  # the same node id ran before (reruns) and its turn still exists
         raise CgturnError(f"cannot begin a turn for {turn_id!r}")
 
-    def _switch(self, turn: Turn | None) -> None:
+    def _switch(self, turn: "cgturn.Turn | None") -> None:
         """Make `turn` (None: no turn) the place where what pytest starts from now on belongs."""
-        if self._cgroup2:
-            if turn is None:
-                self._home.move_in(os.getpid())   # the one move outside the managed root
-            else:
-                turn.adopt(os.getpid())           # moves pytest (all its threads) into the turn
-            return
         if turn is None:
-            self._set_env({name: None for name in (ENV_TASK, ENV_TURN, ENV_SCOPE)})
+            self.mgr.leave_turn()   # back to pytest's own cgroup: the one move outside the managed root
         else:
-            self._set_env(turn.environment)
+            turn.enter()
 
-    def _push(self, turn: Turn) -> None:
+    def _push(self, turn: "cgturn.Turn") -> None:
         self._inside.append(turn)
         self._switch(turn)
 
@@ -153,26 +163,11 @@ class LeakGuard:
         self._inside.pop()
         self._switch(self._inside[-1] if self._inside else None)
 
-    def _set_env(self, values: dict[str, str | None]) -> None:
-        for name, value in values.items():
-            if value is None:
-                if name in self._saved_env:
-                    old = self._saved_env.pop(name)
-                    if old is None:
-                        os.environ.pop(name, None)
-                    else:
-                        os.environ[name] = old
-            else:
-                self._saved_env.setdefault(name, os.environ.get(name))
-                os.environ[name] = value
-
     def _children(self) -> frozenset[int]:
         """Pytest's live child processes (registry backend: what a test started directly)."""
         if self._cgroup2:
             return frozenset()
-        me = os.getpid()
-        return frozenset(pid for pid in procfs.all_pids()
-                         if (st := procfs.stat(pid)) is not None and st.ppid == me and st.state != "Z")
+        return frozenset(child.pid for child in cgturn.processes.children())
 
     def _finish(self, scope: _Scope) -> list[str]:
         """Wait up to the settle time for the scope's turn to empty, then kill and report the rest."""
@@ -185,7 +180,7 @@ class LeakGuard:
                     pass  # it exited meanwhile
         turn.wait_empty(self.settle)
         pids = turn.pids()
-        commands = {pid: procfs.cmdline(pid) for pid in pids}
+        commands = {pid: cgturn.processes.command_line(pid) for pid in pids}
         result = turn.abandon(reasons.PYTEST_LEAK, grace=0, force=True)
         killed = sorted(set(result.killed) | set(commands))
         return [leak_line(scope.label, pid, commands.get(pid, "")) for pid in killed]
@@ -268,12 +263,11 @@ class LeakGuard:
     # --- the fixture ------------------------------------------------------------------------------
 
     @pytest.fixture
-    def cgturn_turn(self) -> Turn:
+    def cgturn_turn(self) -> "cgturn.Turn":
         """The current test's turn. It contains pytest, so abandoning it is refused."""
         if self._test is None:
             raise UnsafeOperation("cgturn_turn is only available while a test runs")
-        record = self._test.turn.record
-        return Turn(self.mgr, record) if self._cgroup2 else _TestTurn(self.mgr, record)
+        return self._test.turn
 
     # --- reporting (runs where the terminal is: the xdist controller, or the only process) --------
 
@@ -311,20 +305,10 @@ class LeakGuard:
             self._test = None
             self._mgr.end_task(self._task, reason=reasons.PYTEST_SESSION_END)
         finally:
+            self._mgr.remove_root()
             self._mgr.close()
             self._mgr = None
-            if self._root is not None:
-                Cgroup(self._root).remove_tree(timeout=2.0)
-
-
-class _TestTurn(Turn):
-    """The test's turn as the test sees it: pytest is in it, so ending it from the test is refused.
-
-    On cgroup v2 the manager refuses by itself (the turn contains the caller); on the registry pytest
-    is not a member, so the refusal is stated here.
-    """
-
-    def abandon(self, reason: str, grace: float = 2.0, force: bool = False):
-        raise UnsafeOperation("refusing to abandon the current test's turn: it contains pytest "
-                              "(the cgturn plugin ends it after teardown)")
-
+            if self._parent_mgr is not None:
+                self._parent_mgr.remove_root()  # only if empty: another run may use it now
+                self._parent_mgr.close()
+                self._parent_mgr = None

@@ -20,6 +20,7 @@ REAP_ON_EXIT = "reap-on-exit"    # `cgturn run --reap-on-exit`: the command exit
 NOT_FOUND = "not-found"          # `cgturn run`: the command could not be found
 NOT_EXECUTABLE = "not-executable"  # `cgturn run`: the command could not be executed
 SIGNAL_PREFIX = "signal:"        # `cgturn run` got a signal: `signal:SIGINT`
+CORRUPT_RECORD = "corrupt-record"  # recovery killed a turn directory without a trustworthy record
 PYTEST_LEAK = "pytest-leak"      # the pytest plugin killed what a test left running
 PYTEST_SESSION_END = "pytest-session-end"
 # Recorded on a turn whose record says it was abandoned by someone who did not say why.

@@ -33,9 +33,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import ids, reasons
-from .kernel import procfs
-from .model import RUNNING
+from . import ids, processes, reasons
+from .errors import AccessDenied
+from .model import ABANDONED, COMPLETED
 
 log = logging.getLogger("cgturn.sentinel")
 
@@ -83,6 +83,9 @@ def attach(manager) -> "SentinelClient | None":
         return client
 
 
+attach_sentinel = attach  # the name the package exports
+
+
 class SentinelClient:
     """The owner's end of the channel; a TurnManager listener (begin/touch/end/close reach it)."""
 
@@ -114,12 +117,8 @@ class SentinelClient:
 
     def guard_owned_turns(self) -> None:
         """Guard (for owner death only) the running turns this process began before attaching."""
-        me = os.getpid()
-        start = procfs.start_time(me)
-        for rec in self._manager.backend.records():
-            if rec.state == RUNNING and rec.owner_pid == me and rec.owner_start == start:
-                self._send(_guard_message(rec.task_id, rec.turn_id, None, None, 0.0, time.monotonic()),
-                           block=True)
+        for task_id, turn_id in self._manager.running_turns_of_caller():
+            self._send(_guard_message(task_id, turn_id, None, None, 0.0, time.monotonic()), block=True)
 
     # TurnManager listener hooks -------------------------------------------------------------------
 
@@ -188,12 +187,11 @@ def _guard_message(task_id: str, turn_id: str, deadline: float | None, inactivit
 def _start_process(manager, fd: int) -> subprocess.Popen:
     """Start `python -m cgturn.sentinel_main` in its own session, outside any turn, holding `fd`."""
     me = os.getpid()
-    backend = manager.backend.name
     argv = [sys.executable, "-m", "cgturn.sentinel_main", "--fd", str(fd), "--owner-pid", str(me),
-            "--owner-start", str(procfs.start_time(me)), "--backend", backend,
+            "--owner-start", str(processes.start_time(me)), "--backend", manager.backend_name,
             "--state-dir", manager.state_dir]
-    if backend == "cgroup2":
-        argv += ["--root", manager.backend.scope]
+    if manager.root is not None:
+        argv += ["--root", manager.root]
     env = dict(os.environ)
     # The sentinel must import this very cgturn, installed or not.
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -340,8 +338,9 @@ class Sentinel:
             return
         self._next_sweep = now + SWEEP_INTERVAL
         for key, guard in list(self.guards.items()):
-            rec = self.manager.backend.load(*key)
-            if rec is None or rec.state != RUNNING:
+            # Only an ended turn loses its guard: a turn whose record was garbled (state "corrupt")
+            # is still a turn to kill when its owner dies.
+            if self.manager.turn_state(*key) in (None, COMPLETED, ABANDONED):
                 del self.guards[key]
 
 
@@ -352,7 +351,11 @@ def _open_owner(pid: int, start: int) -> int | None:
     except ProcessLookupError:
         return None
     # Checked after opening: the pidfd now pins this very process, so a later start-time match holds.
-    if not procfs.is_alive(pid, start):
+    try:
+        alive = processes.is_running(pid, start)
+    except AccessDenied:
+        alive = True  # cannot look, so not known to be dead: the pidfd will tell when it exits
+    if not alive:
         os.close(fd)
         return None
     return fd

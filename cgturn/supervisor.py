@@ -6,7 +6,7 @@ Three things can end a supervised turn, and exactly one of them decides:
   the same locked step, so a stop that lands a moment later finds nothing to kill;
 - the watchdog (a daemon thread, so it fires while the event loop is blocked) sees the inactivity
   timeout or the hard deadline pass;
-- an explicit stop: `/stop`, `/new`, a client that disconnected (`stop(reason)`, `reap_disconnected`).
+- an explicit stop: `/stop`, `/new`, a client that disconnected (`stop(reason)`, `abandon_disconnected`).
 
 Every abandon cause goes through `Supervisor.stop`, the one abandon path: decide once under a lock
 (completion checked first, so a completed worker's result stands), fire `on_interrupt` once, ask the
@@ -50,7 +50,7 @@ class Run:
     """Per-run ownership markers of an API server: which task and turn a run owns while in flight.
 
     The supervisor sets them when the worker starts and clears them the instant it finishes;
-    `reap_disconnected(run)` abandons only a run that still holds them.
+    `abandon_disconnected(run)` abandons only a run that still holds them.
     """
 
     def __init__(self, run_id: str | None = None):
@@ -84,7 +84,7 @@ class Run:
             return self.task_id, self.turn, self.supervisor
 
 
-def reap_disconnected(run: Run, grace: float = 2.0) -> AbandonResult | None:
+def abandon_disconnected(run: Run, grace: float = 2.0) -> AbandonResult | None:
     """A client of `run` went away: abandon the turn the run owns (reason `disconnect`).
 
     Returns:
@@ -97,6 +97,9 @@ def reap_disconnected(run: Run, grace: float = 2.0) -> AbandonResult | None:
     if supervisor is not None:
         return supervisor.stop(REASON_DISCONNECT, grace=grace)
     return turn.abandon(REASON_DISCONNECT, grace=grace)
+
+
+reap_disconnected = abandon_disconnected  # the name earlier versions and the contract use
 
 
 @dataclasses.dataclass

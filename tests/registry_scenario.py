@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import escapers as esc  # noqa: E402
 from cgturn.kernel import procfs  # noqa: E402
-from cgturn.manager import TurnManager  # noqa: E402
+from cgturn import TurnManager, discover_host  # noqa: E402
 
 
 def alive(pid: int) -> bool:
@@ -32,7 +32,7 @@ def main(state_dir: str, tmpdir: str) -> int:
     try:
         with TurnManager(backend="auto", state_dir=state_dir) as mgr:
             report["backend"] = mgr.backend.name
-            report["problems"] = mgr.host.problems
+            report["problems"] = discover_host().problems
             turn = mgr.begin_turn("scenario", "t1")
             launched = {name: esc.launch(turn, r) for name, r in recipes.items()}
             members = set(turn.pids())

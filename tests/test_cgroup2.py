@@ -67,7 +67,7 @@ def test_hostile_ids_each_get_their_own_directory(mgr):
 def test_process_is_in_the_turn_before_its_first_instruction_even_with_threads(mgr):
     """`cat /proc/self/cgroup` reads its cgroup as its first act; every copy must see the turn."""
     turn = mgr.begin_turn("threads")
-    expected = "0::" + turn_dir(mgr, turn)[len(mgr.host.cgroup2_mount):]
+    expected = "0::" + turn_dir(mgr, turn)[len(mgr.backend.mount):]
     outputs, errors = [], []
 
     def worker():
@@ -162,7 +162,7 @@ def test_payload_that_makes_and_freezes_a_sub_cgroup_still_dies(mgr):
         print(child.pid, flush=True)
         time.sleep(300)
     """)
-    p = turn.spawn([PY, "-c", script, mgr.host.cgroup2_mount], stdout=subprocess.PIPE, text=True)
+    p = turn.spawn([PY, "-c", script, mgr.backend.mount], stdout=subprocess.PIPE, text=True)
     hidden = int(p.stdout.readline())
     assert hidden in turn.pids()
     for use_kill in (False,):
@@ -176,17 +176,21 @@ def test_payload_that_makes_and_freezes_a_sub_cgroup_still_dies(mgr):
 def test_abandon_is_refused_when_the_turn_contains_the_caller(mgr):
     turn = mgr.begin_turn("me")
     original = procfs.cgroup_of("self")
-    home = Cgroup(os.path.normpath(os.path.join(mgr.host.cgroup2_mount, original.lstrip("/"))))
-    turn.adopt(os.getpid())  # moving our own test process is the one allowed move
+    with pytest.raises(UnsafeOperation, match="use Turn.enter"):
+        turn.adopt(os.getpid())
+    assert procfs.cgroup_of("self") == original
+    turn.enter()  # the explicit way for the caller to join a turn
     try:
-        with pytest.raises(UnsafeOperation):
+        assert procfs.cgroup_of("self") != original
+        with pytest.raises(UnsafeOperation, match="calling process"):
             turn.abandon("suicide", grace=0)
-        with pytest.raises(UnsafeOperation):
+        with pytest.raises(UnsafeOperation, match="calling process"):
             mgr.end_task("me")
         assert turn.state == "running"
     finally:
-        home.move_in(os.getpid())
-    turn.abandon("done", grace=0)
+        mgr.leave_turn()
+    assert procfs.cgroup_of("self") == original
+    assert turn.abandon("done", grace=0).skipped is False
 
 
 def test_kills_outside_the_managed_root_are_refused(mgr, tmp_path):
@@ -196,11 +200,11 @@ def test_kills_outside_the_managed_root_are_refused(mgr, tmp_path):
         rec.task_key = forged
         with pytest.raises(ValueError):
             mgr.backend.kill_members(rec)
-    for outside in (mgr.host.cgroup2_mount, mgr.backend.root.path, mgr.backend.root.path + "/../x"):
+    for outside in (mgr.backend.mount, mgr.backend.root.path, mgr.backend.root.path + "/../x"):
         with pytest.raises(UnsafeOperation):
             mgr.backend._guard(Cgroup(outside))
     link = tmp_path / "link"
-    os.symlink(mgr.host.cgroup2_mount, link)
+    os.symlink(mgr.backend.mount, link)
     with pytest.raises(UnsafeOperation):
         mgr.backend._guard(Cgroup(str(link)))
     turn.complete()
@@ -240,7 +244,7 @@ def test_reap_abandons_turns_of_a_dead_owner_and_keeps_completed_survivors(mgr, 
     states = {i.turn: i.state for i in mgr.turns("gw")}
     assert states == {"done": "completed", "live": "running"}
     actions = mgr.reap()
-    assert [a["turn"] for a in actions if a["action"] == "abandoned"] == ["live"]
+    assert [(a.turn, a.reason) for a in actions if a.action == "abandoned"] == [("live", "owner-died")]
     assert wait_until(lambda: not alive(worker))
     assert alive(survivor)
     mgr.end_task("gw")

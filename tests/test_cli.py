@@ -23,9 +23,13 @@ def test_doctor_json(cgroup2_root, state_dir):
     data = json.loads(out.stdout)
     assert data["backend"] == "cgroup2"
     assert data["managed_root"] == cgroup2_root
-    assert data["cgroup_kill"] is True
+    # Decided without writing: no probe directory, so unknown (null) until a cgroup exists to look at.
+    assert data["cgroup_kill"] in (True, None)
     assert isinstance(data["controllers"], list) and data["problems"] == []
     assert not os.path.exists(cgroup2_root)  # doctor leaves nothing behind
+    os.mkdir(cgroup2_root)  # once the root exists, its own cgroup.kill file answers
+    again = json.loads(cli(cgroup2_root, state_dir, "doctor", "--json").stdout)
+    assert again["cgroup_kill"] is True
 
 
 def test_doctor_reports_registry_when_asked(state_dir):

@@ -131,8 +131,11 @@ def test_scope_location_and_database(registry):
     mgr = registry()
     assert mgr.backend.name == "registry"
     assert os.path.isabs(mgr.backend.scope) and mgr.backend.scope == mgr.backend.location
-    assert os.path.exists(mgr.backend.scope)
+    assert not os.path.exists(mgr.backend.scope)  # a manager that only reads creates nothing
+    assert mgr.turns() == []
+    assert not os.path.exists(mgr.backend.scope)
     turn = mgr.begin_turn("task", "t")
+    assert os.path.exists(mgr.backend.scope)
     p = sleeper(turn)
     # Popen returns when exec closed its error pipe, a moment before the kernel has set up the new
     # image's environment (load_elf_binary runs after begin_new_exec): wait for it to show.

@@ -99,6 +99,19 @@ class Backend(abc.ABC):
     def contains_caller(self, record: TurnRecord) -> bool:
         """True if the calling process is one of the turn's processes (killing it is refused)."""
 
+    @abc.abstractmethod
+    def turn_of(self, pid: int) -> tuple[str, str] | None:
+        """(scope, task_key) of the cgturn turn process `pid` belongs to, as far as this backend can
+        tell (its own turns, and another manager's by its marks); None when it is in none."""
+
+    @abc.abstractmethod
+    def enter(self, record: TurnRecord) -> None:
+        """Make the calling process part of the turn (what it starts from now on belongs to it)."""
+
+    @abc.abstractmethod
+    def leave(self) -> None:
+        """Undo `enter`: the calling process goes back to where it was before its first enter."""
+
     # --- killing ----------------------------------------------------------------------------------
 
     @abc.abstractmethod
@@ -129,6 +142,14 @@ class Backend(abc.ABC):
     def task_keys(self) -> list[str]:
         """Keys of every task known here, with or without turns (reap removes the empty ones)."""
 
+    def ensure_root(self) -> bool:
+        """Create where turns live, if that is a thing to create; True if this call created it."""
+        return False
+
+    def remove_root(self) -> bool:
+        """Remove where turns live once no turn is left; True when it is gone (or nothing to remove)."""
+        return True
+
     def cgroup_dir(self, record: TurnRecord) -> str | None:
         """The turn's cgroup directory, where the backend has one (observability: ports, cpu)."""
         return None
@@ -153,6 +174,13 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release resources (threads, database connections)."""
+
+
+def scope_tag(env: dict[str, str] | None) -> tuple[str, str] | None:
+    """(scope, task_key) a process environment names, whatever its scope; None without one."""
+    if not env or not env.get(ENV_SCOPE) or not env.get(ENV_TASK):
+        return None
+    return env[ENV_SCOPE], env[ENV_TASK]
 
 
 def turn_tag(env: dict[str, str] | None, scope: str) -> tuple[str, str] | None:

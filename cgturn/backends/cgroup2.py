@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 from typing import Callable, Iterable
 
 from ..errors import AccessDenied, NoSuchTurn, TurnExists, UnsafeOperation
@@ -26,9 +27,9 @@ from ..kernel.cgroupfs import (CPU_STAT_FILE, MEMORY_CURRENT_FILE, STAT_FILE, Cg
                                read_head, read_procs, read_text, walk_tree)
 from ..kernel.discovery import own_cgroup_dir
 from ..model import COMPLETED, CORRUPT, RUNNING, TurnRecord, TurnView
-from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn
+from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag
 from .gates import SpawnGates, gate_directory
-from .metadata import MetadataStore
+from .metadata import XATTR_KEY, MetadataStore
 
 log = logging.getLogger("cgturn")
 
@@ -55,12 +56,16 @@ class Cgroup2Backend(Backend):
         # freeze fallback.
         self.cgroup_kill_works = cgroup_kill is not False
         self._gates: SpawnGates | None = None
+        self._gates_lock = threading.Lock()
+        self._home: str | None = None  # where the caller was before its first enter()
 
     @property
     def gates(self) -> SpawnGates:
         """The spawn gates, made on the first spawn: a read-only user creates no gate directory."""
         if self._gates is None:
-            self._gates = SpawnGates(gate_directory(os.path.join(self.state_dir, "spawn")))
+            with self._gates_lock:  # threads spawning at once must share one set of gates
+                if self._gates is None:
+                    self._gates = SpawnGates(gate_directory(os.path.join(self.state_dir, "spawn")))
         return self._gates
 
     @property
@@ -79,8 +84,14 @@ class Cgroup2Backend(Backend):
 
     # --- records and state ------------------------------------------------------------------------
 
-    def ensure_root(self) -> None:
-        self.root.create()
+    def ensure_root(self) -> bool:
+        return self.root.create()
+
+    def remove_root(self) -> bool:
+        for task in self.root.children():
+            if not task.remove_if_empty():
+                return False
+        return self.root.remove_if_empty()
 
     def create_turn(self, record: TurnRecord) -> None:
         self.ensure_root()
@@ -190,6 +201,36 @@ class Cgroup2Backend(Backend):
             if started is not None:
                 out.append((pid, started))
         return out
+
+    def turn_of(self, pid: int) -> tuple[str, str] | None:
+        path = self._path_on_mount(procfs.cgroup_of(pid) or "")
+        if path is None:
+            return None
+        root = self.root.path
+        if path.startswith(root + "/"):
+            return root, path[len(root) + 1:].split("/", 1)[0]
+        # Another manager's turn carries a record on its directory (or an ancestor of it).
+        while path.startswith(self.mount + "/"):
+            if Cgroup(path).get_xattr(XATTR_KEY) is not None:
+                task = os.path.dirname(path)
+                return os.path.dirname(task), os.path.basename(task)
+            path = os.path.dirname(path)
+        tag = scope_tag(procfs.environ(pid))
+        return tag if tag is not None and tag[0] != self.scope else None
+
+    def enter(self, record) -> None:
+        if self._home is None:
+            self._home = self._path_on_mount(procfs.cgroup_of("self") or "")
+            if self._home is None:
+                raise UnsafeOperation("cannot enter a turn: the caller's own cgroup is not visible")
+        try:
+            self._cg(record).move_in(os.getpid())
+        except FileNotFoundError:
+            raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} no longer exists") from None
+
+    def leave(self) -> None:
+        if self._home is not None:
+            Cgroup(self._home).move_in(os.getpid())  # the one move outside the managed root
 
     def contains_caller(self, record) -> bool:
         return self._contains_caller(self._cg(record))

@@ -33,10 +33,10 @@ import subprocess
 import time
 from typing import Callable, Iterable
 
-from ..errors import AccessDenied, NoSuchProcess, NoSuchTurn, TurnExists, translate
+from ..errors import AccessDenied, NoSuchProcess, NoSuchTurn, TurnExists
 from ..kernel import procfs
 from ..model import COMPLETED, RUNNING, TurnRecord
-from .base import Backend, Member, prepare_spawn, turn_tag, with_environment
+from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag, turn_tag, with_environment
 from .reaper import SPAWN_LOCK, OrphanReaper, acquire_subreaper, note_spawned, release_subreaper
 from .registry_db import RegistryDatabase
 
@@ -108,16 +108,14 @@ class RegistryBackend(Backend):
     name = "registry"
 
     def __init__(self, state_dir: str, subreaper: bool = True):
-        try:
-            os.makedirs(state_dir, mode=0o755, exist_ok=True)
-        except OSError as err:
-            raise translate("mkdir", state_dir, err) from err
+        # Nothing is created here: the database (and the state directory) come with the first write.
         self.db_path = os.path.abspath(os.path.join(state_dir, DB_NAME))
         self.db = RegistryDatabase(self.db_path)
         self._reaper: OrphanReaper | None = None
         # Becoming a subreaper changes where the whole process's orphans go, so only a process that
         # owns turns does it (on its first turn), never a read-only user such as `cgturn ps`.
         self._wants_subreaper = subreaper
+        self._saved_env: dict[str, str | None] | None = None  # the caller's CGTURN_* before enter()
 
     def _ensure_reaper(self) -> None:
         if self._wants_subreaper and self._reaper is None:
@@ -230,6 +228,39 @@ class RegistryBackend(Backend):
             found.add(pid)
             stack.extend(child for child in snap.children.get(pid, ()) if child not in protected)
         return {snap.member(pid) for pid in found}
+
+    def turn_of(self, pid: int) -> tuple[str, str] | None:
+        started = procfs.start_time(pid)
+        rows = self.db.read("SELECT task_key FROM processes WHERE pid=? AND start_time=?", (pid, started))
+        if rows:
+            return self.scope, rows[0][0]
+        return scope_tag(procfs.environ(pid))
+
+    def enter(self, record) -> None:
+        self._ensure_reaper()
+        me = os.getpid()
+        if self._saved_env is None:
+            self._saved_env = {name: os.environ.get(name) for name in (ENV_TASK, ENV_TURN, ENV_SCOPE)}
+        self._forget_caller()
+        # Recorded, so the turn contains the caller (abandoning it is refused); in os.environ, so
+        # every process started from now on carries the turn.
+        self._record_process(record, me, procfs.start_time(me), ["(entered)"])
+        os.environ.update(self.env_for(record))
+
+    def leave(self) -> None:
+        self._forget_caller()
+        if self._saved_env is not None:
+            for name, value in self._saved_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            self._saved_env = None
+
+    def _forget_caller(self) -> None:
+        me = os.getpid()
+        with self.db.write() as conn:
+            conn.execute("DELETE FROM processes WHERE pid=? AND start_time=?", (me, procfs.start_time(me)))
 
     def contains_caller(self, record) -> bool:
         me = os.getpid()

@@ -12,7 +12,7 @@ import sqlite3
 import threading
 from typing import Iterator
 
-from ..errors import RegistryUnavailable
+from ..errors import RegistryUnavailable, translate
 from ..model import STORED_FIELDS, TurnRecord
 
 BUSY_TIMEOUT = 10.0
@@ -43,11 +43,16 @@ class RegistryDatabase:
         self._conn: sqlite3.Connection | None = None
         self._conn_pid = -1
         self.columns = [name for name, _ in _turn_columns()]
-        self._init_schema()
 
     def _connect(self) -> sqlite3.Connection:
+        """The process's connection; the first one creates the state directory, file and schema."""
         if self._conn is None or self._conn_pid != os.getpid():
             # A connection inherited across fork must not be used by the child (sqlite docs, "howtocorrupt").
+            directory = os.path.dirname(self.path)
+            try:
+                os.makedirs(directory, mode=0o755, exist_ok=True)
+            except OSError as err:
+                raise translate("mkdir", directory, err) from err
             try:
                 conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT, isolation_level=None,
                                        check_same_thread=False)
@@ -56,6 +61,7 @@ class RegistryDatabase:
             except sqlite3.Error as err:
                 raise RegistryUnavailable(f"cannot open registry {self.path}: {err}") from err
             self._conn, self._conn_pid = conn, os.getpid()
+            self._init_schema()
         return self._conn
 
     @contextlib.contextmanager
@@ -77,7 +83,10 @@ class RegistryDatabase:
                 raise
 
     def read(self, sql: str, args: tuple = ()) -> list[tuple]:
+        """Rows of a query; [] when no registry exists yet (a reader creates nothing)."""
         with self._lock:
+            if self._conn is None and not os.path.exists(self.path):
+                return []
             try:
                 return self._connect().execute(sql, args).fetchall()
             except sqlite3.Error as err:
@@ -85,7 +94,9 @@ class RegistryDatabase:
 
     def _init_schema(self) -> None:
         cols = ", ".join(f"{name} {kind}" for name, kind in _turn_columns())
-        with self.write() as conn:
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
             conn.execute(f"CREATE TABLE IF NOT EXISTS turns ({cols}, PRIMARY KEY (task_key, turn_key))")
             conn.execute("CREATE TABLE IF NOT EXISTS processes ("
                          "seq INTEGER PRIMARY KEY AUTOINCREMENT, pid INTEGER NOT NULL, "
@@ -97,6 +108,13 @@ class RegistryDatabase:
             for name, kind in _turn_columns():
                 if name not in have:
                     conn.execute(f"ALTER TABLE turns ADD COLUMN {name} {kind}")
+            conn.execute("COMMIT")
+        except BaseException as exc:
+            conn.execute("ROLLBACK")
+            self._conn = None
+            if isinstance(exc, sqlite3.Error):
+                raise RegistryUnavailable(f"cannot set up registry {self.path}: {exc}") from exc
+            raise
 
     # rows <-> records
 

@@ -82,7 +82,7 @@ def positive_seconds(text: str) -> float:
 
 
 def make_manager(args, recover: bool = False):
-    from ..manager import TurnManager
+    from .. import TurnManager
     return TurnManager(root=args.root, backend=args.backend, state_dir=args.state_dir, recover=recover)
 
 

@@ -1,9 +1,7 @@
 """`cgturn doctor`: what the host offers and which backend cgturn would use, with reasons."""
 from __future__ import annotations
 
-import os
-
-from ..kernel import discovery
+from .. import doctor_report
 from . import common
 
 
@@ -15,23 +13,7 @@ def register(sub) -> None:
 
 def report(args) -> dict:
     """The doctor report as a dict (the documented JSON shape)."""
-    info = discovery.discover(args.root)
-    wanted = args.backend or os.environ.get("CGTURN_BACKEND") or "auto"
-    backend = "cgroup2" if info.usable and wanted != "registry" else "registry"
-    problems = list(info.problems)
-    if wanted == "cgroup2" and not info.usable:
-        problems.append("--backend cgroup2 was asked for but cgroup v2 is not usable")
-    return {
-        "backend": backend,
-        "cgroup2_mount": info.cgroup2_mount,
-        "managed_root": info.managed_root,
-        "own_cgroup": info.own_cgroup,
-        "cgroup_kill": info.cgroup_kill,
-        "controllers": info.controllers,
-        "writable": info.writable,
-        "problems": problems,
-        "usable": info.usable or wanted != "cgroup2",
-    }
+    return doctor_report(args.root, args.backend)
 
 
 def run(args) -> int:
@@ -44,7 +26,8 @@ def run(args) -> int:
         print(f"own cgroup:     {data['own_cgroup'] or '-'}")
         print(f"managed root:   {data['managed_root'] or '-'}")
         print(f"writable:       {'yes' if data['writable'] else 'no'}")
-        print(f"cgroup.kill:    {'yes' if data['cgroup_kill'] else 'no (freeze + kill fallback)'}")
+        kill = {True: "yes", False: "no (freeze + kill fallback)", None: "unknown until the first kill"}
+        print(f"cgroup.kill:    {kill[data['cgroup_kill']]}")
         print(f"controllers:    {' '.join(data['controllers']) or '-'}")
         for problem in data["problems"]:
             print(f"problem:        {problem}")

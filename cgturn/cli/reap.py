@@ -1,7 +1,8 @@
 """`cgturn reap [--json]`: crash recovery, safe beside a live gateway and from ExecStartPre=/a timer.
 
 Abandons running turns whose owner (pid + start time) is gone, finishes kills whose killer died,
-removes completed turns with nothing left. Turns whose owner lives are never touched.
+kills turns without a trustworthy record, removes completed turns with nothing left. Turns whose
+owner lives, or cannot be looked at (`owner-unknown`), are never touched.
 Exit 0; 1 when a turn could not be handled (listed as an `error` action).
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ def register(sub) -> None:
 def run(args) -> int:
     manager = common.make_manager(args)
     try:
-        actions = manager.reap()
+        actions = [action.to_json() for action in manager.recover()]
     finally:
         manager.close()
     if args.json:
@@ -33,8 +34,8 @@ def run(args) -> int:
 
 def _describe(act: dict) -> str:
     where = f"turn {act['turn']!r} of task {act['task']!r}"
-    if act["action"] == "error":
-        return f"error: {where}: {act['error']}"
+    if act["action"] in ("error", "owner-unknown"):
+        return f"{act['action']}: {where}: {act['error']}"
     killed = act.get("killed")
     tail = f": killed {len(killed)} process(es) {' '.join(map(str, killed))}".rstrip() if killed is not None else ""
     return f"{act['action']} {where}{tail}"

@@ -12,8 +12,7 @@ import select
 import signal
 import sys
 
-from .. import reasons, sentinel
-from ..supervisor import Supervisor
+from .. import reasons
 from . import common
 
 DEFAULT_TASK = "cli"
@@ -40,11 +39,13 @@ def run(args) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise ValueError("run needs a command after --")
+    from .. import attach_sentinel  # supervision pulls in asyncio: only `run` pays for it
+
     manager = common.make_manager(args)
     try:
         # Started before the turn exists, so the turn is guarded against our death from its first
         # moment (a SIGKILLed `cgturn run` must not leave CMD running).
-        sentinel.attach(manager)
+        attach_sentinel(manager)
         turn = manager.begin_turn(args.task, args.turn)
         return _supervise(turn, cmd, args.timeout, args.grace, args.reap_on_exit)
     finally:
@@ -58,6 +59,8 @@ def _supervise(turn, cmd: list[str], timeout: float | None, grace: float, reap_o
     since start (reason `timeout`); the sentinel holds it too, so a SIGSTOPped `cgturn run` still
     loses its turn on time, and a SIGKILLed one loses it at once (`owner-died`).
     """
+    from .. import Supervisor
+
     received: list[int] = []
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)

@@ -1,15 +1,18 @@
 """Host discovery: where cgroup v2 is mounted, where the caller sits, what the managed root can do.
 
-Read-only: nothing here creates, writes or moves anything. `probe_cgroup_kill` is the one exception
-and writes only to an empty cgroup it is handed (one the caller created).
+Read-only, always: nothing here creates, writes or moves anything, so `ps`, `doctor` and the other
+read-only commands leave no trace and never race a gateway's `begin_turn`. A capability that cannot be
+seen without writing (cgroup.kill where no cgroup of the mount can be looked at) stays unknown (None)
+until the first real kill decides it.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 
-from . import parsers
-from .cgroupfs import CONTROLLERS_FILE, KILL_FILE, PROCS_FILE, Cgroup, is_cgroup2
+from ..errors import CgturnError
+from . import parsers, procfs
+from .cgroupfs import CONTROLLERS_FILE, KILL_FILE, PROCS_FILE, Cgroup, child_entries, is_cgroup2
 
 # Where distributions mount cgroup2: unified hierarchy at /sys/fs/cgroup, hybrid at .../unified.
 CANDIDATE_MOUNTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
@@ -25,7 +28,8 @@ class HostInfo:
     managed_root: str | None = None
     root_exists: bool = False
     writable: bool = False
-    cgroup_kill: bool = False
+    cgroup_kill: bool | None = None       # None: unknown until the first real kill
+    root_explicit: bool = False            # the root was asked for (argument or CGTURN_ROOT)
     controllers: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -45,9 +49,8 @@ def find_cgroup2_mount(env: dict[str, str] | None = None) -> tuple[str | None, s
     if forced:
         return (forced, "/") if is_cgroup2(forced) else (None, None)
     try:
-        with open("/proc/self/mountinfo") as f:
-            mounts = parsers.parse_mountinfo_cgroup2(f.read())
-    except OSError:
+        mounts = parsers.parse_mountinfo_cgroup2(procfs.DEFAULT.read("self", "mountinfo").decode("utf-8", "replace"))
+    except CgturnError:
         return None, None
     # A cgroup2 mount hidden under a later mount (tmpfs over /sys/fs/cgroup) is still listed in
     # mountinfo; statfs tells whether the path really shows cgroup2 now.
@@ -66,8 +69,7 @@ def own_cgroup_dir(mount: str, fsroot: str, proc_cgroup_text: str | None = None)
     filesystem from `fsroot`. A path outside that view (`/..` prefix) is not reachable.
     """
     if proc_cgroup_text is None:
-        with open("/proc/self/cgroup") as f:
-            proc_cgroup_text = f.read()
+        proc_cgroup_text = procfs.DEFAULT.read("self", "cgroup").decode("utf-8", "replace")
     rel = parsers.parse_proc_cgroup(proc_cgroup_text)
     if rel is None or rel.startswith("/.."):
         return None
@@ -95,6 +97,7 @@ def discover(root: str | None = None, env: dict[str, str] | None = None) -> Host
         info.problems.append("the caller's cgroup is not visible under the cgroup2 mount")
 
     root = root or env.get("CGTURN_ROOT") or None
+    info.root_explicit = root is not None
     if root is None:
         if info.own_cgroup is None:
             return info
@@ -115,8 +118,8 @@ def discover(root: str | None = None, env: dict[str, str] | None = None) -> Host
         info.controllers = parsers.parse_controllers(Cgroup(target).read(CONTROLLERS_FILE))
     except Exception:  # noqa: BLE001 - informational only
         info.controllers = []
-    info.cgroup_kill = probe_cgroup_kill(root) if info.writable else cgroup_kill_present(parent, mount)
-    if not info.cgroup_kill:
+    info.cgroup_kill = cgroup_kill_support(root, mount)
+    if info.cgroup_kill is False:
         info.problems.append("cgroup.kill not found (Linux < 5.14?): abandon uses freeze + kill")
     return info
 
@@ -134,35 +137,20 @@ def check_root_path(root: str, mount: str) -> str | None:
     return None
 
 
-def probe_cgroup_kill(root: str) -> bool:
-    """Whether cgroup.kill exists for cgroups at `root` (5.14+), looking at the root itself.
+def cgroup_kill_support(root: str, mount: str) -> bool | None:
+    """Whether cgroup.kill (5.14+) exists for cgroups at `root`, decided by looking, never writing.
 
-    When the managed root does not exist yet it is created for the look and removed again: the root
-    is ours, and the mount root never has the file, so only a real child can answer.
+    The mount root never has the file, so the answer comes from the nearest existing non-root
+    cgroup: the managed root, its parent, or any cgroup directly below the mount. None when no such
+    cgroup exists to look at (unknown until the first kill).
     """
-    if os.path.isdir(root):
-        return os.path.exists(os.path.join(root, KILL_FILE))
-    try:
-        os.mkdir(root)
-    except OSError:
-        return False
-    try:
-        return os.path.exists(os.path.join(root, KILL_FILE))
-    finally:
-        try:
-            os.rmdir(root)
-        except OSError:
-            pass
-
-
-def cgroup_kill_present(path: str, mount: str) -> bool:
-    """Whether cgroup.kill exists at `path`; the mount root has none, so look at a child there."""
-    if os.path.normpath(path) != os.path.normpath(mount):
-        return os.path.exists(os.path.join(path, KILL_FILE))
-    for entry in os.scandir(path):
-        if entry.is_dir(follow_symlinks=False):
-            return os.path.exists(os.path.join(entry.path, KILL_FILE))
-    return False
+    mount = os.path.normpath(mount)
+    for path in (root, os.path.dirname(os.path.normpath(root))):
+        if os.path.normpath(path) != mount and os.path.isfile(os.path.join(path, PROCS_FILE)):
+            return os.path.exists(os.path.join(path, KILL_FILE))
+    for name, _ in child_entries(mount):
+        return os.path.exists(os.path.join(mount, name, KILL_FILE))
+    return None
 
 
 def _read_only(path: str) -> bool:

@@ -87,7 +87,7 @@ NESTED_FREEZER = textwrap.dedent("""
 def test_nested_frozen_locked_sub_cgroups_still_die_with_cgroup_kill(mgr):
     """test_cgroup2.py covers one frozen level on the fallback; here three levels, on cgroup.kill."""
     turn = mgr.begin_turn("freezer")
-    p = turn.spawn([PY, "-c", NESTED_FREEZER, mgr.host.cgroup2_mount], stdout=subprocess.PIPE, text=True)
+    p = turn.spawn([PY, "-c", NESTED_FREEZER, mgr.backend.mount], stdout=subprocess.PIPE, text=True)
     hidden = [int(x) for x in p.stdout.readline().split()]
     assert len(hidden) == 3 and set(hidden) <= set(turn.pids())
     result = turn.abandon("x", grace=0)
@@ -123,7 +123,7 @@ def test_threaded_sub_cgroup_in_a_turn_is_still_killed(mgr, use_cgroup_kill):
     cgroup.threads; both kill paths must still empty the turn."""
     mgr.backend.cgroup_kill_works = use_cgroup_kill
     turn = mgr.begin_turn("threaded")
-    p = turn.spawn([PY, "-c", THREADED, mgr.host.cgroup2_mount], stdout=subprocess.PIPE, text=True)
+    p = turn.spawn([PY, "-c", THREADED, mgr.backend.mount], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "threaded"
     result = turn.abandon("x", grace=0)
     assert p.pid in result.killed
@@ -171,7 +171,7 @@ def test_unprivileged_turn_process_cannot_leave_but_root_can(mgr):
     """Escape by privilege: only a privileged process can write its pid into another cgroup."""
     elsewhere = mgr.begin_turn("elsewhere")
     turn = mgr.begin_turn("jail")
-    inside = "0::" + turn_dir(mgr, turn)[len(mgr.host.cgroup2_mount):]
+    inside = "0::" + turn_dir(mgr, turn)[len(mgr.backend.mount):]
     targets = [os.path.join(turn_dir(mgr, elsewhere), "cgroup.procs"),
                os.path.join(mgr.backend.root.path, "cgroup.procs")]
     for target in targets:

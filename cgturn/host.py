@@ -1,0 +1,97 @@
+"""What this host offers and which backend owns turns here: decided once, without writing anything.
+
+`discover_host` looks (read-only); `choose_backend` turns what it saw and what the caller asked for
+into a backend, passing the capabilities down instead of letting the backend find them again;
+`doctor_report` is the same decision in words, for `cgturn doctor`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from .backends.base import Backend
+from .errors import CgroupUnavailable
+from .kernel import discovery
+from .kernel.discovery import HostInfo
+
+log = logging.getLogger("cgturn")
+
+BACKENDS = ("auto", "cgroup2", "registry")
+
+
+def discover_host(root: str | None = None) -> HostInfo:
+    """The cgroup2 mount, the caller's cgroup and the managed root (`root`, else CGTURN_ROOT, else
+    `<own cgroup>/cgturn`), judged usable or not with reasons. Creates nothing."""
+    return discovery.discover(root)
+
+
+def wanted_backend(name: str | None) -> str:
+    """The backend asked for: `name`, else CGTURN_BACKEND, else "auto". Raises ValueError when unknown."""
+    choice = name or os.environ.get("CGTURN_BACKEND") or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"unknown backend {choice!r} (expected one of {', '.join(BACKENDS)})")
+    return choice
+
+
+def backend_name(host: HostInfo, wanted: str) -> str:
+    """Which backend `wanted` means on `host`: "cgroup2" or "registry".
+
+    Raises:
+        ValueError: an explicitly given managed root is not a usable path (relative, outside the
+            cgroup2 mount, no parent) and `wanted` is not "registry": a mistyped root is an error,
+            never a quiet change of backend.
+        CgroupUnavailable: cgroup v2 was asked for (by name, or by an explicit root) and is unusable.
+    """
+    if wanted == "registry":
+        return "registry"
+    if host.usable:
+        return "cgroup2"
+    why = "; ".join(host.problems) or "unknown reason"
+    if host.root_explicit and host.cgroup2_mount is not None and host.managed_root is None:
+        raise ValueError(why)
+    if wanted == "cgroup2" or host.root_explicit:
+        raise CgroupUnavailable("cgroup v2 is not usable: " + why)
+    log.info("cgroup v2 not usable (%s); using the registry fallback", why)
+    return "registry"
+
+
+def choose_backend(host: HostInfo, wanted: str, state_dir: str) -> Backend:
+    """The backend that owns turns for `wanted` ("auto", "cgroup2", "registry") on `host`.
+
+    Constructing it creates nothing: the managed root, the registry database and the spawn gates
+    are made by the first operation that needs them. Raises as `backend_name`.
+    """
+    if backend_name(host, wanted) == "cgroup2":
+        from .backends.cgroup2 import Cgroup2Backend
+
+        mount, fsroot = discovery.find_cgroup2_mount()
+        return Cgroup2Backend(host.managed_root, mount or host.cgroup2_mount, state_dir, fsroot or "/",
+                              cgroup_kill=host.cgroup_kill)
+    from .backends.registry import RegistryBackend
+
+    return RegistryBackend(state_dir)
+
+
+def doctor_report(root: str | None = None, backend: str | None = None) -> dict:
+    """What `cgturn doctor --json` prints: the host, the backend that would be used, and why."""
+    host = discover_host(root)
+    wanted = wanted_backend(backend)
+    problems = list(host.problems)
+    try:
+        name = backend_name(host, wanted)
+        usable = True
+    except (ValueError, CgroupUnavailable):
+        name, usable = "registry", False
+        asked = "--backend cgroup2" if wanted == "cgroup2" else f"managed root {host.managed_root or root!r}"
+        problems.append(f"{asked} was asked for but cgroup v2 is not usable there")
+    return {
+        "backend": name,
+        "cgroup2_mount": host.cgroup2_mount,
+        "managed_root": host.managed_root,
+        "own_cgroup": host.own_cgroup,
+        "cgroup_kill": host.cgroup_kill,
+        "controllers": host.controllers,
+        "writable": host.writable,
+        "problems": problems,
+        "usable": usable,
+    }

@@ -1,0 +1,62 @@
+"""The kill sequence every abandon ends in, whoever decided it (owner, sentinel, CLI, recovery).
+
+SIGTERM (when there is a grace), wait up to `grace` for the turn to empty, SIGKILL the rest
+(cgroup.kill, or freeze + kill), wait event-driven until it is empty, remove it, write one audit
+record. The turn is already marked abandoned by the caller. A kill path finishes its kill whatever
+else fails: the audit log is written last and never raises.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+from . import audit
+from .backends.base import Backend
+from .model import AbandonResult, TurnRecord
+
+log = logging.getLogger("cgturn")
+
+# How long to wait for SIGKILLed processes to leave before killing again (a task in D state, or a
+# spawn that slipped into the cgroup while it was being killed).
+KILL_WAIT = 5.0
+KILL_ATTEMPTS = 3
+
+
+def kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, state_dir: str) -> AbandonResult:
+    """Kill everything the turn at `rec`'s directory holds, remove it, audit it.
+
+    `rec` must have been read from that directory (its keys are the directory's names).
+    """
+    started = time.monotonic()
+    killed: set[int] = set()
+    signals: list[str] = []
+    empty = False
+    if grace > 0:
+        hit = backend.signal_members(rec, signal.SIGTERM)
+        if hit:
+            killed.update(hit)
+            signals.append("SIGTERM")
+            empty = backend.wait_empty(rec, grace)
+        else:
+            empty = backend.wait_empty(rec, 0)
+    for _ in range(KILL_ATTEMPTS):
+        if not empty:
+            hit = backend.kill_members(rec)
+            killed.update(hit)
+            if hit and "SIGKILL" not in signals:
+                signals.append("SIGKILL")
+            empty = backend.wait_empty(rec, KILL_WAIT)
+        if empty and backend.remove(rec):
+            break
+        empty = False  # something slipped in between the wait and the rmdir: go again
+    else:
+        log.error("turn %r of task %r still holds processes after %d kills", rec.turn_id, rec.task_id,
+                  KILL_ATTEMPTS)
+    backend.remove_task(rec.task_key)
+    duration_ms = (time.monotonic() - started) * 1000
+    if killed:
+        audit.record_kill(state_dir, task=rec.task_id, turn=rec.turn_id, reason=reason, pids=sorted(killed),
+                          signals=signals, duration_ms=duration_ms, backend=backend.name)
+    return AbandonResult(killed=sorted(killed), skipped=False, reason=reason, signals=signals,
+                         duration_ms=duration_ms)

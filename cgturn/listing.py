@@ -1,0 +1,44 @@
+"""What `cgturn ps` shows: every turn as any process can see it, with its processes, usage and ports.
+
+One pass per turn over the backend's views, one sock_diag dump for the whole listing.
+"""
+from __future__ import annotations
+
+import logging
+
+from .backends.base import Backend
+from .kernel import observe
+from .model import TurnInfo
+
+log = logging.getLogger("cgturn")
+
+
+def list_turns(backend: Backend, task_key: str | None = None) -> list[TurnInfo]:
+    """Every existing turn (of one task), oldest first."""
+    views = backend.views(task_key)
+    sockets = _listening_sockets() if any(v.cgroup_ids for v in views) else None
+    index = observe.by_cgroup(sockets) if sockets is not None else None
+    out = []
+    for view in views:
+        rec = view.record
+        mem = view.memory_bytes
+        if mem is None:  # no memory controller on the turn: summed RSS is the next best answer
+            mem = observe.rss_bytes(view.pids)
+        if view.cgroup_ids and index is not None:
+            ports = observe.ports_in_cgroups(index, view.cgroup_ids)
+        else:
+            ports = observe.ports_of_pids(view.pids)
+        out.append(TurnInfo(task=rec.task_id, turn=rec.turn_id, state=rec.state, pids=view.pids,
+                            owner_pid=rec.owner_pid, started_at=rec.started_at, reason=rec.reason or rec.problem,
+                            cpu_seconds=view.cpu_seconds, memory_bytes=mem, ports=ports, path=view.path))
+    out.sort(key=lambda info: (info.started_at, info.task, info.turn))
+    return out
+
+
+def _listening_sockets():
+    """One sock_diag dump for a whole listing; None when unusable (ports then come from psutil)."""
+    try:
+        return observe.listening_sockets()
+    except observe.DiagUnavailable as err:
+        log.info("ports via psutil: %s", err)
+        return None

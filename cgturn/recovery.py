@@ -1,0 +1,93 @@
+"""Crash recovery (`cgturn reap`, `TurnManager(recover=True)`): the policy for turns nobody tends.
+
+One pass over every turn, each judged on its own:
+- running, and its owner (pid + start time) is gone: abandon it (reason `owner-died`);
+- abandoned, and the process that was killing it is gone: finish the kill;
+- corrupt (no trustworthy record): kill it — the directory is a turn, whatever its record says;
+- completed with nothing left: remove it.
+An owner that cannot be looked at (AccessDenied) is not gone: its turn is left alone and reported.
+Then the task directories left empty are removed. Linear in the number of turns.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from . import reasons
+from .errors import AccessDenied, CgturnError
+from .kernel import procfs
+from .model import ABANDONED, COMPLETED, CORRUPT, RUNNING, TurnRecord
+
+if TYPE_CHECKING:
+    from .manager import TurnManager
+
+# The actions a recovery pass reports.
+ABANDONED_ACTION = "abandoned"          # a running turn whose owner died
+FINISHED_KILL = "finished-kill"         # an abandon whose killer died midway
+KILLED_CORRUPT = "killed-corrupt"       # a turn directory without a trustworthy record
+REMOVED = "removed"                     # a completed turn with nothing left
+OWNER_UNKNOWN = "owner-unknown"         # the owner could not be looked at: left alone
+ERROR = "error"                         # the turn could not be handled (e.g. it holds the caller)
+
+
+@dataclasses.dataclass(slots=True)
+class RecoveryAction:
+    """One thing a recovery pass did (or could not do) to one turn."""
+
+    action: str
+    task: str
+    turn: str
+    reason: str | None = None
+    killed: list[int] | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        """The documented `cgturn reap --json` object: fields that do not apply are left out."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def recover(manager: "TurnManager") -> list[RecoveryAction]:
+    """Apply the policy above to every turn of `manager`; returns what was done."""
+    actions: list[RecoveryAction] = []
+    backend = manager.backend
+    for rec in backend.records():
+        try:
+            action = _recover_one(manager, rec)
+        except CgturnError as err:
+            # One turn that cannot be handled (e.g. it holds the caller) must not stop the rest.
+            action = RecoveryAction(ERROR, rec.task_id, rec.turn_id, error=str(err))
+        if action is not None:
+            actions.append(action)
+    for task_key in backend.task_keys():
+        backend.remove_task(task_key)  # refuses, harmlessly, while the task still has turns
+    return actions
+
+
+def _recover_one(manager: "TurnManager", rec: TurnRecord) -> RecoveryAction | None:
+    if rec.state == RUNNING:
+        try:
+            alive = manager.owner_alive(rec)
+        except AccessDenied as err:
+            return RecoveryAction(OWNER_UNKNOWN, rec.task_id, rec.turn_id, error=str(err))
+        if alive:
+            return None
+        result = manager.abandon_turn(rec.task_key, rec.turn_key, reasons.OWNER_DIED, grace=0.0)
+        if result.skipped:
+            return None
+        return RecoveryAction(ABANDONED_ACTION, rec.task_id, rec.turn_id, reasons.OWNER_DIED, result.killed)
+    if rec.state == ABANDONED:
+        try:
+            killer_alive = procfs.is_alive(rec.killer_pid or 0, rec.killer_start if rec.killer_start is not None else -1)
+        except AccessDenied:
+            killer_alive = True
+        if killer_alive:
+            return None
+        # The process that was killing this turn died before it finished: finish for it.
+        result = manager.finish_kill(rec)
+        return RecoveryAction(FINISHED_KILL, rec.task_id, rec.turn_id, rec.reason, result.killed)
+    if rec.state == CORRUPT:
+        result = manager.abandon_turn(rec.task_key, rec.turn_key, reasons.CORRUPT_RECORD, grace=0.0)
+        return RecoveryAction(KILLED_CORRUPT, rec.task_id, rec.turn_id, rec.problem, result.killed)
+    if rec.state == COMPLETED and manager.backend.wait_empty(rec, 0) and manager.backend.remove(rec):
+        return RecoveryAction(REMOVED, rec.task_id, rec.turn_id)
+    return None

@@ -1,0 +1,167 @@
+"""A Turn: one unit of work of a task, the handle its owner holds. Made by the TurnManager only."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import time
+from typing import TYPE_CHECKING
+
+from . import reasons
+from .errors import NoSuchTurn
+from .model import ABANDONED, RUNNING, AbandonResult, TurnRecord
+
+if TYPE_CHECKING:
+    from .manager import TurnManager
+
+# Handed by the manager to the constructor: `Turn(...)` from anywhere else is refused.
+_MADE_BY_MANAGER = object()
+
+
+class Turn:
+    """One turn of a task. Obtain it from `TurnManager.begin_turn` or `TurnManager.turn`."""
+
+    def __init__(self, manager: "TurnManager", record: TurnRecord, _token: object = None):
+        if _token is not _MADE_BY_MANAGER:
+            raise TypeError("Turn objects are made by TurnManager.begin_turn() or TurnManager.turn()")
+        self._manager = manager
+        self._record = record
+        self.last_activity = time.monotonic()
+
+    @property
+    def manager(self) -> "TurnManager":
+        """The TurnManager this turn belongs to."""
+        return self._manager
+
+    @property
+    def task_id(self) -> str:
+        return self._record.task_id
+
+    @property
+    def turn_id(self) -> str:
+        return self._record.turn_id
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(task_key, turn_key): the encoded directory names (what CGTURN_TASK/CGTURN_TURN hold)."""
+        return self._record.task_key, self._record.turn_key
+
+    @property
+    def record(self) -> TurnRecord:
+        """The stored record, read fresh (another process may have changed the state)."""
+        rec = self._manager.backend.load(*self.key)
+        if rec is not None:
+            self._record = rec
+        return self._record if rec is not None else _gone(self._record)
+
+    @property
+    def state(self) -> str:
+        return self.record.state
+
+    def __repr__(self) -> str:
+        rec = self.record
+        return f"<Turn {rec.task_id!r}/{rec.turn_id!r} {rec.state} on {self._manager.backend.name}>"
+
+    @property
+    def environment(self) -> dict[str, str]:
+        """The variables every process of the turn gets: CGTURN_TASK, CGTURN_TURN, CGTURN_SCOPE."""
+        return self._manager.backend.env_for(self._record)
+
+    def wait_empty(self, timeout: float) -> bool:
+        """Wait until no process of the turn is left; True if that happened within `timeout` s.
+
+        Event-driven on cgroup v2 (`populated 0` in cgroup.events): exact even when a grandchild
+        still holds the stdout pipe that makes "has the command finished?" look false.
+        """
+        return self._manager.backend.wait_empty(self._record, timeout)
+
+    def pids(self) -> list[int]:
+        """Pids of the turn's live processes."""
+        return sorted(pid for pid, _ in self._manager.backend.members(self._record))
+
+    def spawn(self, argv, **popen_kwargs) -> subprocess.Popen:
+        """Start `argv` inside the turn: it is in the turn before the program runs its first instruction.
+
+        Accepts subprocess.Popen's keyword arguments except `executable`, `user`, `group` and
+        `extra_groups` (they would drop privileges before the process joins its turn). The
+        environment gains CGTURN_TASK, CGTURN_TURN (encoded names) and CGTURN_SCOPE.
+
+        Raises:
+            NoSuchTurn: the turn is no longer running (completed or abandoned).
+            ValueError: a refused keyword argument, or an empty argv.
+            FileNotFoundError / PermissionError: as Popen, for a missing or non-executable program.
+        """
+        # The backend checks that the turn is still running, at the moment that makes it race-free.
+        return self._manager.backend.spawn(self._record, argv, popen_kwargs)
+
+    def adopt(self, pid: int) -> None:
+        """Move an existing process into the turn (its future children follow it).
+
+        Raises:
+            NoSuchTurn: the turn is not running.
+            NoSuchProcess: no process `pid`.
+            UnsafeOperation: PID 1, a kernel thread, the caller (use `enter`), an ancestor of the
+                caller, or a process of another task's or another manager's turn.
+        """
+        rec = self.record
+        if rec.state != RUNNING:
+            raise NoSuchTurn(f"turn {rec.turn_id!r} of task {rec.task_id!r} is {rec.state}; cannot adopt")
+        self._manager.adopt_into(rec, pid)
+
+    def enter(self) -> None:
+        """Make the calling process part of the turn: what it starts from now on belongs to it.
+
+        On cgroup v2 the process moves into the turn's cgroup; on the registry it is recorded and
+        its environment (os.environ) carries the turn. While inside, abandoning the turn is refused.
+        `TurnManager.leave_turn()` takes it back to where it was before its first `enter`.
+        """
+        rec = self.record
+        if rec.state != RUNNING:
+            raise NoSuchTurn(f"turn {rec.turn_id!r} of task {rec.task_id!r} is {rec.state}; cannot enter")
+        self._manager.backend.enter(rec)
+
+    def touch(self) -> None:
+        """Report activity (resets the inactivity timeout of a supervised turn)."""
+        self.last_activity = time.monotonic()
+        self._manager.events.emit("turn_touched", self)
+
+    def complete(self) -> bool:
+        """Release ownership: what the turn left running survives every later (unforced) abandon.
+
+        Returns True if this call completed the turn, False if it had already ended (e.g. abandoned).
+        """
+        won, rec = self._manager.complete_turn(*self.key)
+        if rec is not None:
+            self._record = rec
+        return won
+
+    def abandon(self, reason: str, grace: float = 2.0, force: bool = False) -> AbandonResult:
+        """Kill everything the turn owns: SIGTERM, up to `grace` seconds, then SIGKILL.
+
+        Idempotent: a second call, or a call on a completed turn, returns skipped=True and kills
+        nothing, unless `force` (which also kills a completed turn's survivors). `grace=0` sends no
+        SIGTERM. A turn whose record cannot be trusted is killed by any call.
+
+        Raises:
+            ValueError: a negative grace, or a reason that cannot be recorded (see cgturn.reasons).
+            UnsafeOperation: the turn contains the calling process, one of its ancestors or PID 1.
+        """
+        if not grace >= 0:
+            raise ValueError("grace must be >= 0")
+        reasons.validate(reason)
+        result = self._manager.abandon_turn(*self.key, reason, grace, force)
+        if not result.skipped:
+            # The turn's record is removed with it; keep what we know so .state/.reason stay true.
+            self._record = dataclasses.replace(self._record, state=ABANDONED, reason=reason)
+        return result
+
+
+def make_turn(manager: "TurnManager", record: TurnRecord) -> Turn:
+    """The manager's factory for Turn objects."""
+    return Turn(manager, record, _MADE_BY_MANAGER)
+
+
+def _gone(rec: TurnRecord) -> TurnRecord:
+    """A removed turn reads as its last known state; a running one that vanished was abandoned."""
+    if rec.state == RUNNING:
+        return dataclasses.replace(rec, state=ABANDONED)
+    return rec
