@@ -9,9 +9,7 @@ injective; names that would be too long keep a readable prefix and end in `~` pl
 """
 from __future__ import annotations
 
-import hashlib
 import os
-import secrets
 import time
 
 # Characters kept as they are. Everything else, including '.', '%' and '~', is %XX-encoded.
@@ -57,6 +55,8 @@ def encode(value: str) -> str:
     cut = prefix.rfind("%", len(prefix) - 2)  # do not leave half an escape behind
     if cut != -1:
         prefix = prefix[:cut]
+    import hashlib  # only long ids need it: a CLI that lists turns starts faster without it
+
     return f"{prefix}~{hashlib.sha256(raw).hexdigest()}"
 
 
@@ -81,4 +81,6 @@ def decode(name: str) -> str | None:
 
 def new_turn_id() -> str:
     """A fresh turn id: sortable by creation time, unique without coordination."""
+    import secrets
+
     return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}-{secrets.token_hex(3)}"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 
 from .backends.base import Backend
-from .kernel import observe
 from .model import TurnInfo
 
 log = logging.getLogger("cgturn")
@@ -16,6 +15,9 @@ log = logging.getLogger("cgturn")
 def list_turns(backend: Backend, task_key: str | None = None) -> list[TurnInfo]:
     """Every existing turn (of one task), oldest first."""
     views = backend.views(task_key)
+    if not views:
+        return []
+    from .kernel import observe  # sockets and psutil: only when there is a turn to look at
     sockets = _listening_sockets() if any(v.cgroup_ids for v in views) else None
     index = observe.by_cgroup(sockets) if sockets is not None else None
     out = []
@@ -37,6 +39,8 @@ def list_turns(backend: Backend, task_key: str | None = None) -> list[TurnInfo]:
 
 def _listening_sockets():
     """One sock_diag dump for a whole listing; None when unusable (ports then come from psutil)."""
+    from .kernel import observe
+
     try:
         return observe.listening_sockets()
     except observe.DiagUnavailable as err:

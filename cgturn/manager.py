@@ -236,6 +236,12 @@ class TurnManager:
 
     reap = recover  # the name `cgturn reap` and earlier versions use
 
+    def strays(self) -> list[tuple[str, int]]:
+        """(cgroup, pid) of processes in the managed root or a task directory, in no turn: they
+        escaped a turn by moving themselves, which a turn process running as the manager's user can
+        (see docs/design.md#security). `cgturn ps` warns about them and recovery kills them."""
+        return self.backend.strays()
+
     def owner_alive(self, rec: TurnRecord) -> bool:
         """True if the turn's owner process (pid + start time, so no reused pid) still runs.
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import datetime
 from dataclasses import dataclass, field
 
 RUNNING = "running"
@@ -124,4 +123,6 @@ class TurnInfo:
 
 
 def iso8601(ts: float) -> str:
+    import datetime  # only for printing: listing turns in process does not need it
+
     return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).isoformat(timespec="milliseconds")

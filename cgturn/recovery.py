@@ -11,6 +11,7 @@ Then the task directories left empty are removed. Linear in the number of turns.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import TYPE_CHECKING
 
 from . import reasons
@@ -26,6 +27,7 @@ ABANDONED_ACTION = "abandoned"          # a running turn whose owner died
 FINISHED_KILL = "finished-kill"         # an abandon whose killer died midway
 KILLED_CORRUPT = "killed-corrupt"       # a turn directory without a trustworthy record
 REMOVED = "removed"                     # a completed turn with nothing left
+KILLED_STRAY = "killed-stray"           # a process outside every turn, in a task directory or the root
 OWNER_UNKNOWN = "owner-unknown"         # the owner could not be looked at: left alone
 ERROR = "error"                         # the turn could not be handled (e.g. it holds the caller)
 
@@ -58,9 +60,23 @@ def recover(manager: "TurnManager") -> list[RecoveryAction]:
             action = RecoveryAction(ERROR, rec.task_id, rec.turn_id, error=str(err))
         if action is not None:
             actions.append(action)
+    for where, pid in manager.strays():
+        try:
+            if backend.kill_stray(where, pid):
+                actions.append(RecoveryAction(KILLED_STRAY, _task_of(backend, where), "", killed=[pid]))
+        except CgturnError as err:
+            actions.append(RecoveryAction(ERROR, _task_of(backend, where), "", error=str(err)))
     for task_key in backend.task_keys():
         backend.remove_task(task_key)  # refuses, harmlessly, while the task still has turns
     return actions
+
+
+def _task_of(backend, where: str) -> str:
+    """The task id a stray's directory belongs to ("" for the managed root itself)."""
+    from . import ids
+
+    name = os.path.relpath(where, backend.scope)
+    return "" if name == "." else (ids.decode(name) or name)
 
 
 def _recover_one(manager: "TurnManager", rec: TurnRecord) -> RecoveryAction | None:

@@ -142,6 +142,14 @@ class Backend(abc.ABC):
     def task_keys(self) -> list[str]:
         """Keys of every task known here, with or without turns (reap removes the empty ones)."""
 
+    def strays(self) -> list[tuple[str, int]]:
+        """(where, pid) of processes inside the managed territory but in no turn; [] by default."""
+        return []
+
+    def kill_stray(self, where: str, pid: int) -> bool:
+        """SIGKILL a stray found by `strays` if it is still there; True if it was signalled."""
+        return False
+
     def ensure_root(self) -> bool:
         """Create where turns live, if that is a thing to create; True if this call created it."""
         return False

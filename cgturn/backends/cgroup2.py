@@ -342,6 +342,30 @@ class Cgroup2Backend(Backend):
         self.meta.forget(cg)
         return True
 
+    def strays(self) -> list[tuple[str, int]]:
+        """Processes directly in the managed root or in a task directory: only a turn process that
+        moved itself (or a child) out of its turn puts one there (no controllers are enabled, so
+        non-leaf cgroups may hold processes)."""
+        out = [(self.root.path, pid) for pid in self.root.procs()]
+        for task in self.root.children():
+            out.extend((task.path, pid) for pid in task.procs())
+        return out
+
+    def kill_stray(self, where: str, pid: int) -> bool:
+        cg = Cgroup(where)
+        if cg != self.root and os.path.dirname(where) != self.root.path:
+            raise UnsafeOperation(f"refusing to kill in {where}: not the managed root or a task directory")
+        if pid in procfs.protected_pids():
+            raise UnsafeOperation(f"refusing to kill process {pid}: the caller, an ancestor of it, or PID 1")
+        fd = procfs.open_pidfd(pid)
+        if fd is None:
+            return False
+        try:  # pinned by the pidfd: signal it only if it is still where it was found
+            here = self._path_on_mount(procfs.cgroup_of(pid) or "")
+            return here == where and procfs.pidfd_signal(fd, signal.SIGKILL)
+        finally:
+            os.close(fd)
+
     def task_keys(self) -> list[str]:
         return [cg.name for cg in self.root.children()]
 

@@ -1,7 +1,6 @@
 """`cgturn doctor`: what the host offers and which backend cgturn would use, with reasons."""
 from __future__ import annotations
 
-from .. import doctor_report
 from . import common
 
 
@@ -13,6 +12,8 @@ def register(sub) -> None:
 
 def report(args) -> dict:
     """The doctor report as a dict (the documented JSON shape)."""
+    from .. import doctor_report  # the library loads only for the command that runs
+
     return doctor_report(args.root, args.backend)
 
 

@@ -4,6 +4,7 @@ Read-only: it never recovers, kills or moves anything.
 """
 from __future__ import annotations
 
+import sys
 import time
 
 from . import common
@@ -81,6 +82,10 @@ def _host(address: str) -> str:
 
 def run(args) -> int:
     rows = snapshot(args)
+    with common.make_manager(args) as manager:
+        for where, pid in manager.strays():
+            print(f"cgturn: warning: process {pid} ({where}) is in no turn: it left its turn; "
+                  "`cgturn reap` kills it", file=sys.stderr)
     if args.json:
         common.print_json(rows)
     elif rows:
