@@ -33,8 +33,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # tests/escapers.py: the 
 
 import psutil  # noqa: E402
 
-from cgturn.kernel import discovery  # noqa: E402
-from cgturn.manager import TurnManager  # noqa: E402
+from cgturn import TurnManager, discover_host  # noqa: E402
 
 SHIM = 'echo $$ > "$0" || exit 125; exec "$@"'
 
@@ -103,7 +102,7 @@ def cgturn_abandon(mgr: TurnManager, n: int) -> float:
     elapsed = time.perf_counter() - t0
     proc.wait()
     if len(result.killed) != n:
-        raise RuntimeError(f"{mgr.backend.name}: killed {len(result.killed)} of {n}")
+        raise RuntimeError(f"{mgr.backend_name}: killed {len(result.killed)} of {n}")
     return elapsed
 
 
@@ -247,8 +246,7 @@ def spawn_rows(root_mgr: TurnManager, state_root: str, count: int) -> dict[str, 
     0.5 ms instead of 0.27, which flattered every ratio to Popen in earlier tables).
     """
     turn = root_mgr.begin_turn("bench-spawn")
-    procs_file = os.path.join(root_mgr.backend.root.path, turn.record.task_key, turn.record.turn_key,
-                              "cgroup.procs")
+    procs_file = os.path.join(root_mgr.root, *turn.key, "cgroup.procs")
 
     def join():
         with open(procs_file, "w") as f:
@@ -451,7 +449,7 @@ def main() -> int:
     if args.quick:
         args.rounds, args.sizes, args.spawns, args.turns = 1, "1,10,100", 50, 100
     sizes = [int(s) for s in args.sizes.split(",")]
-    host = discovery.discover()
+    host = discover_host()
     if host.cgroup2_mount is None or os.geteuid() != 0:
         print("needs root and a cgroup2 mount", file=sys.stderr)
         return 1

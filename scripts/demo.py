@@ -11,8 +11,7 @@ import uuid
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from cgturn import TurnManager  # noqa: E402
-from cgturn.kernel import discovery  # noqa: E402
+from cgturn import TurnManager, discover_host  # noqa: E402
 
 DAEMON = "setsid sh -c 'sleep 300 & echo $! > \"$0\"' \"$1\" &"
 
@@ -26,11 +25,11 @@ def alive(pid: int) -> bool:
 
 
 def main() -> int:
-    info = discovery.discover()
+    info = discover_host()
     backend = "cgroup2" if info.usable else "registry"
     root = os.path.join(info.cgroup2_mount, f"cgturn-demo-{uuid.uuid4().hex[:8]}") if info.usable else None
     with tempfile.TemporaryDirectory() as state, TurnManager(root=root, backend=backend, state_dir=state) as mgr:
-        print(f"backend: {mgr.backend.name} ({mgr.backend.location})")
+        print(f"backend: {mgr.backend_name} ({mgr.root or mgr.state_dir})")
         turn = mgr.begin_turn("demo-chat", "turn-1")
         pidfile = os.path.join(state, "daemon.pid")
         turn.spawn(["sh", "-c", DAEMON, "sh", pidfile]).wait()
@@ -45,8 +44,7 @@ def main() -> int:
         result = turn.abandon("demo: /stop", grace=0.5)
         print(f"abandoned in {result.duration_ms:.1f} ms, killed {result.killed}, signals {result.signals}")
         print(f"daemon alive afterwards: {alive(daemon)}")
-        if root:
-            mgr.backend.root.remove_tree()
+        mgr.remove_root()
         return 0 if not alive(daemon) else 1
 
 
