@@ -183,7 +183,8 @@ class Cgroup2Backend(Backend):
         proc.wait()
 
     def close(self) -> None:
-        self.gates.close()
+        if self._gates is not None:  # never made by a read-only user: nothing to close
+            self._gates.close()
 
     def adopt(self, record, pid) -> None:
         try:
