@@ -319,8 +319,8 @@ class TurnManager:
 
     def _refuse_if_caller_inside(self, rec: TurnRecord) -> None:
         if self.backend.contains_caller(rec):
-            raise UnsafeOperation(f"refusing to kill turn {rec.turn_id!r} of task {rec.task_id!r}: "
-                                  f"it contains the calling process {os.getpid()}")
+            raise UnsafeOperation(f"refusing to kill turn {rec.turn_id!r} of task {rec.task_id!r}: it contains "
+                                  f"the calling process, one of its ancestors or PID 1 (caller {os.getpid()})")
 
 
 def _sentinel_setting(value: bool | None) -> bool:

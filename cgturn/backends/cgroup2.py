@@ -234,10 +234,9 @@ class Cgroup2Backend(Backend):
             Cgroup(self._home).move_in(os.getpid())  # the one move outside the managed root
 
     def contains_caller(self, record) -> bool:
-        return self._contains_caller(self._cg(record))
-
-    def _contains_caller(self, cg: Cgroup) -> bool:
-        return self._under(cg, procfs.cgroup_of("self") or "")
+        """True when the turn holds the caller, one of its ancestors or PID 1: what `_guard` refuses
+        to kill, asked before an abandon marks the turn, so a refused abandon changes nothing."""
+        return self._protected_inside(self._cg(record)) is not None
 
     def _path_on_mount(self, rel: str) -> str | None:
         """Where a /proc/PID/cgroup path lies on our mount; None when outside our view."""
@@ -253,12 +252,19 @@ class Cgroup2Backend(Backend):
         real = os.path.realpath(cg.path)
         if not real.startswith(os.path.realpath(self.root.path) + "/"):
             raise UnsafeOperation(f"refusing to kill {cg.path}: outside the managed root {self.root.path}")
+        who = self._protected_inside(cg)
+        if who is not None:
+            raise UnsafeOperation(f"refusing to kill {cg.path}: it contains {who}")
+
+    def _protected_inside(self, cg: Cgroup) -> str | None:
+        """Which protected process (the caller, an ancestor of it, PID 1) `cg` holds; None if none."""
         me = os.getpid()
         for pid in sorted(procfs.protected_pids()):
             where = procfs.cgroup_of("self" if pid == me else pid)
             if where is not None and self._under(cg, where):
                 who = "the calling process" if pid == me else ("PID 1" if pid == 1 else "an ancestor of the caller")
-                raise UnsafeOperation(f"refusing to kill {cg.path}: it contains {who} ({pid})")
+                return f"{who} ({pid})"
+        return None
 
     def signal_members(self, record, sig) -> list[int]:
         cg = self._cg(record)
