@@ -27,6 +27,7 @@ and killed by any abandon — never as the turn it names.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -40,11 +41,12 @@ log = logging.getLogger("cgturn")
 
 XATTR_KEY = "user.cgturn"
 GENERATION_KEY = "user.cgturn.generation"  # on the task directory: changes with every record write
-MAX_CACHED_TASKS = 1024
+MAX_CACHED_TASKS = 1024  # tasks whose parsed records a store keeps between listings
+_FILE_STEM_MAX = 200  # longest turn name used as is in a fallback file name (see MetadataStore._file)
 NO_RECORD = "no record"
 # A turn directory gets its record right after its mkdir; one without a record for longer than this
 # lost its creator in between, and reads as CORRUPT (listed, killable, replaceable).
-CREATING_GRACE = 10.0  # tasks whose parsed records a store keeps between listings
+CREATING_GRACE = 10.0
 # errnos meaning "this filesystem cannot store xattrs at all": decided once, files from then on.
 _XATTR_UNSUPPORTED = frozenset({errno.ENOTSUP, errno.EOPNOTSUPP})
 # errnos refusing one write (this directory's permissions, this value's size): that record goes to a
@@ -64,6 +66,10 @@ class MetadataStore:
 
     def _file(self, cg: Cgroup) -> str:
         task, turn = os.path.split(cg.path)
+        if len(turn) > _FILE_STEM_MAX:
+            # A turn name may take all of NAME_MAX (255 bytes): "<name>.json.<pid>.tmp" would not fit.
+            # Shortened names always contain "~", which names of this length never do: no clash.
+            turn = f"{turn[:_FILE_STEM_MAX - 65]}~{hashlib.sha256(turn.encode()).hexdigest()}"
         return os.path.join(self.state_dir, "meta", os.path.basename(task), turn + ".json")
 
     def load(self, cg: Cgroup) -> TurnRecord | None:
