@@ -8,9 +8,12 @@
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import shutil
+import struct
 import subprocess
 import tempfile
 import textwrap
@@ -44,14 +47,41 @@ def run(argv, **kw) -> subprocess.CompletedProcess:
 
 # --- 1. read-only commands create nothing ------------------------------------------------------------
 
+@contextlib.contextmanager
+def names_created_in(path: str):
+    """The names of entries created directly in `path` while the block runs (inotify IN_CREATE: a
+    directory made and removed again in between is seen too)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    assert fd >= 0, os.strerror(ctypes.get_errno())
+    names: list[str] = []
+    try:
+        assert libc.inotify_add_watch(fd, path.encode(), 0x100) >= 0, os.strerror(ctypes.get_errno())
+        yield names
+        while True:
+            try:
+                buf = os.read(fd, 65536)
+            except BlockingIOError:
+                break
+            offset = 0
+            while offset < len(buf):  # struct inotify_event: wd, mask, cookie, len, name[len]
+                _, _, _, size = struct.unpack_from("iIII", buf, offset)
+                names.append(buf[offset + 16:offset + 16 + size].rstrip(b"\0").decode())
+                offset += 16 + size
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("command", READ_ONLY, ids=" ".join)
 def test_read_only_commands_create_nothing_on_cgroup2(cgroup2_root, tmp_path, command):
     state = str(tmp_path / "state")
     # A private /dev/shm: whatever the command creates there is seen exactly, whoever else runs.
     script = 'mount -t tmpfs cgturn-shm /dev/shm && "$@"; rc=$?; ls -A /dev/shm >&2; exit $rc'
-    proc = run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
-                *cgturn_cmd(*command, root=cgroup2_root, state=state, backend="cgroup2")])
+    with names_created_in(os.path.dirname(cgroup2_root)) as created:
+        proc = run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+                    *cgturn_cmd(*command, root=cgroup2_root, state=state, backend="cgroup2")])
     assert proc.returncode == 0, proc.stderr
+    assert os.path.basename(cgroup2_root) not in created  # not even made and removed again
     assert not os.path.exists(cgroup2_root)
     assert not os.path.exists(state)
     assert proc.stderr.split() == [], proc.stderr  # nothing made under /dev/shm
