@@ -166,7 +166,7 @@ class MetadataStore:
             except OSError:
                 pass
             log.warning("could not stamp %s after a record write (%s); listings re-read its records",
-                        task_path, os.strerror(err.errno or 0))
+                        task.path, os.strerror(err.errno or 0))
 
     def save(self, cg: Cgroup, record: TurnRecord) -> None:
         """Store `record` on `cg`: as its xattr, else (refused for this write) as a state-dir file."""
