@@ -22,12 +22,12 @@ import threading
 from typing import Callable, Iterable
 
 from ..errors import AccessDenied, NoSuchTurn, TurnExists, UnsafeOperation
-from ..kernel import parsers, procfs
-from ..kernel.cgroupfs import (CPU_STAT_FILE, MEMORY_CURRENT_FILE, STAT_FILE, Cgroup, KillUnsupported, child_entries,
-                               read_head, read_procs, read_text, walk_tree)
+from ..kernel import procfs
+from ..kernel.cgroupfs import Cgroup, KillUnsupported
 from ..kernel.discovery import own_cgroup_dir
 from ..model import COMPLETED, CORRUPT, RUNNING, TurnRecord, TurnView
 from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag
+from . import cgroup2_views
 from .gates import SpawnGates, gate_directory
 from .metadata import XATTR_KEY, MetadataStore
 
@@ -383,83 +383,8 @@ class Cgroup2Backend(Backend):
         return self.root.child(task_key).remove_if_empty()
 
     def views(self, task_key=None) -> list[TurnView]:
-        """One pass over the tree: per turn two small reads relative to the open task directory,
-        and its record (read and parsed again only after the task's generation changed, see
-        metadata.py); a sub-cgroup walk only where a task's cgroup.stat counts more cgroups than it
-        has turns.
-
-        This is the hot path of `ps` over 1000s of turns; kernfs syscalls are most of its cost, so
-        it asks for nothing twice. (Reading tasks from two threads was tried and was slower: the
-        Python half holds the GIL.)
-        """
-        tasks = [self.root.child(task_key).path] if task_key is not None else [c.path for c in self.root.children()]
-        if task_key is None:
-            self.meta.forget_tasks_except(tasks)
-        usage = _UsageReader()
-        out: list[TurnView] = []
-        for task_path in tasks:
-            task_fd = Cgroup(task_path).open_dir()
-            if task_fd is None:
-                continue
-            try:
-                out.extend(self._task_views(task_path, task_fd, usage))
-            finally:
-                os.close(task_fd)
-        return out
-
-    def _task_views(self, task_path: str, task_fd: int, usage: "_UsageReader") -> list[TurnView]:
-        entries = child_entries(task_fd)
-        # Turns rarely have sub-cgroups: when the task's cgroup.stat counts no more descendants
-        # than it has turns, none has, and no turn needs a walk of its own.
-        nested = _descendant_count(Cgroup(task_path)) != len(entries)
-        records = self.meta.load_task(task_path, entries)
-        out = []
-        for name, cgroup_id in entries:
-            path = f"{task_path}/{name}"
-            rec = records.get(name)
-            if rec is None:
-                continue
-            if nested:
-                tree = walk_tree(path)
-                pids = sorted(pid for sub, _ in tree for pid in Cgroup(sub).procs())
-                cgroup_ids = frozenset(i for _, i in tree)
-            else:
-                pids, cgroup_ids = sorted(read_procs(name, dir_fd=task_fd)), frozenset((cgroup_id,))
-            cpu, mem = usage.read(task_fd, name)
-            out.append(TurnView(rec, pids, cpu, mem, cgroup_ids, path))
-        return out
+        """One pass over the tree (see cgroup2_views)."""
+        return cgroup2_views.views(self.root, self.meta, task_key)
 
     def usage(self, record, pids):
-        cg = self._cg(record)
-        return _UsageReader().read(None, cg.path)
-
-
-class _UsageReader:
-    """cpu seconds and memory.current of turn cgroups. memory.current exists only where the memory
-    controller is enabled; once it is found missing, a listing stops asking for it."""
-
-    def __init__(self):
-        self.memory = True
-
-    def read(self, dir_fd: int | None, path: str) -> tuple[float, int | None]:
-        """(cpu seconds from cpu.stat, memory.current or None) of the turn at `path` (relative to
-        `dir_fd` when given)."""
-        try:
-            cpu = (parsers.parse_cpu_usage_usec(read_head(f"{path}/{CPU_STAT_FILE}", dir_fd=dir_fd)) or 0) / 1e6
-        except OSError:
-            cpu = 0.0
-        if not self.memory:
-            return cpu, None
-        try:
-            return cpu, int(read_text(f"{path}/{MEMORY_CURRENT_FILE}", dir_fd=dir_fd))
-        except (OSError, ValueError):
-            self.memory = False
-            return cpu, None
-
-
-def _descendant_count(cg: Cgroup) -> int:
-    """Live cgroups below `cg` (cgroup.stat `nr_descendants`, 4.14+); -1 when it cannot be read."""
-    try:
-        return parsers.parse_flat_keyed(read_text(cg.file(STAT_FILE))).get("nr_descendants", -1)
-    except OSError:
-        return -1
+        return cgroup2_views.UsageReader().read(None, self._cg(record).path)
