@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import select
 import socket
@@ -48,6 +49,8 @@ SLACK = 0.25
 SWEEP_INTERVAL = 0.5
 # How long `close()` waits for an idle sentinel to exit before leaving it to finish on its own.
 CLOSE_WAIT = 2.0
+# The largest datagram either end accepts. Ids are at most ids.MAX_ID_BYTES each, so a guard (two
+# ids, each byte escaped as \u00XX at worst) always fits; anything larger is refused, never cut.
 MAX_MESSAGE = 65536
 OWNER_DIED = reasons.OWNER_DIED
 REASON_INACTIVITY = reasons.TIMEOUT
@@ -158,6 +161,8 @@ class SentinelClient:
         if self.closed:
             return False
         data = json.dumps(message).encode()
+        if len(data) > MAX_MESSAGE:
+            raise ValueError(f"sentinel message of {len(data)} bytes; the limit is {MAX_MESSAGE}")
         try:
             if block:
                 self._sock.sendall(data)
@@ -278,11 +283,15 @@ class Sentinel:
     def _drain(self) -> None:
         while self.sock is not None:
             try:
-                data = self.sock.recv(MAX_MESSAGE, socket.MSG_DONTWAIT)
+                # SOCK_SEQPACKET keeps datagram boundaries; a longer one is cut and flagged MSG_TRUNC.
+                data, _anc, flags, _addr = self.sock.recvmsg(MAX_MESSAGE, 0, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return
             except OSError:
-                data = b""
+                data, flags = b"", 0
+            if flags & socket.MSG_TRUNC:
+                log.error("dropped a message longer than %d bytes from the owner", MAX_MESSAGE)
+                continue
             if not data:
                 self.sock.close()
                 self.sock = None
@@ -290,18 +299,21 @@ class Sentinel:
                 if self.owner_pidfd is not None and select.select([self.owner_pidfd], [], [], 0)[0]:
                     self.owner_dead = True
                 return
-            self._handle(json.loads(data))
+            try:
+                self._handle(parse_message(data))
+            except ValueError as err:
+                # Acting on a damaged message could guard or kill the wrong turn: drop it, keep serving.
+                log.error("dropped a malformed message from the owner: %s", err)
 
     def _handle(self, msg: dict) -> None:
-        op = msg.get("op")
-        key = tuple(msg["key"])
+        op, key = msg["op"], msg["key"]
         if op == "guard":
-            self.guards[key] = Guard(msg["task"], msg["turn"], msg.get("deadline"), msg.get("inactivity"),
-                                     float(msg.get("grace") or 0), float(msg.get("last") or time.monotonic()))
+            self.guards[key] = Guard(msg["task"], msg["turn"], msg["deadline"], msg["inactivity"],
+                                     msg["grace"], msg["last"])
         elif op == "touch":
             guard = self.guards.get(key)
             if guard is not None:
-                guard.last = max(guard.last, float(msg["at"]))
+                guard.last = max(guard.last, msg["at"])
         elif op == "unguard":
             self.guards.pop(key, None)
 
@@ -342,6 +354,43 @@ class Sentinel:
             # is still a turn to kill when its owner dies.
             if self.manager.turn_state(*key) in (None, COMPLETED, ABANDONED):
                 del self.guards[key]
+
+
+def parse_message(data: bytes) -> dict:
+    """One datagram from the owner, checked field by field (`key` becomes a tuple of the two encoded
+    names). Raises ValueError for anything else: bad UTF-8 or JSON, a missing or mistyped field."""
+    try:
+        msg = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, RecursionError) as err:
+        raise ValueError(str(err)) from None
+    if not isinstance(msg, dict) or msg.get("op") not in ("guard", "touch", "unguard"):
+        raise ValueError("not a guard, touch or unguard message")
+    key = msg.get("key")
+    if not (isinstance(key, list) and len(key) == 2 and all(isinstance(k, str) and k for k in key)):
+        raise ValueError(f"bad key {key!r:.80}")
+    out = {"op": msg["op"], "key": tuple(key)}
+    if msg["op"] == "guard":
+        for field in ("task", "turn"):
+            out[field] = ids.validate(msg.get(field), field)
+        if [ids.encode(out["task"]), ids.encode(out["turn"])] != key:
+            raise ValueError("key does not match the ids")
+        out["deadline"] = _number(msg, "deadline", optional=True)
+        out["inactivity"] = _number(msg, "inactivity", optional=True)
+        out["grace"] = _number(msg, "grace", optional=True) or 0.0
+        last = _number(msg, "last", optional=True)
+        out["last"] = time.monotonic() if last is None else last
+    elif msg["op"] == "touch":
+        out["at"] = _number(msg, "at")
+    return out
+
+
+def _number(msg: dict, field: str, optional: bool = False) -> float | None:
+    value = msg.get(field)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{field} is not a finite number >= 0: {value!r:.40}")
+    return float(value)
 
 
 def _open_owner(pid: int, start: int) -> int | None:

@@ -1,0 +1,112 @@
+"""Trust nothing on disk or on the wire (issue 10): bounded ids, a sentinel that survives bad input and
+a broken state directory, spawn shims that die with their owner, state files that are not regular
+files, damaged audit lines, undecodable reasons. Real kernel, real processes, each test on its own
+managed root; faults come from files and mounts the test makes (tmpfs only in a private mount
+namespace) and from SIGKILLs of processes the test started."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import types
+
+import pytest
+
+from cgturn import audit, ids, sentinel
+from cgturn.manager import TurnManager
+from conftest import PY, alive, wait_until
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": REPO}
+ID_LIMIT = 4096  # the documented maximum id length, bytes of UTF-8 (cgturn.ids.MAX_ID_BYTES)
+
+
+def cgturn(root, state_dir, *args, **kwargs):
+    """`python -m cgturn` as a real subprocess (bytes argv allowed, for undecodable input)."""
+    return subprocess.run([PY, "-m", "cgturn", "--root", root, "--state-dir", state_dir, *args],
+                          capture_output=True, timeout=60, cwd=REPO, env=ENV, **kwargs)
+
+
+def one_line(stderr: bytes) -> str:
+    text = stderr.decode(errors="replace")
+    assert text.count("\n") == 1 and "Traceback" not in text, text
+    return text
+
+
+# --- item 5: ids have a documented maximum length ------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["x" * (ID_LIMIT + 1), "é" * (ID_LIMIT // 2 + 1)], ids=["ascii", "2-byte"])
+def test_ids_over_the_limit_are_refused(value):
+    with pytest.raises(ValueError, match=f"bytes long; the limit is {ID_LIMIT}"):
+        ids.validate(value, "turn")
+
+
+def test_ids_at_the_limit_are_valid():
+    assert ids.validate("é" * (ID_LIMIT // 2), "task")
+    assert ids.validate("x" * ID_LIMIT, "task")
+
+
+def test_begin_turn_refuses_an_over_long_id_and_creates_nothing(cgroup2_manager):
+    with pytest.raises(ValueError, match="the limit is"):
+        cgroup2_manager.begin_turn("t", "x" * 70_000)
+    with pytest.raises(ValueError, match="the limit is"):
+        cgroup2_manager.begin_turn("x" * (ID_LIMIT + 1))
+    assert not os.path.exists(cgroup2_manager.backend.root.path)
+
+
+def test_cli_refuses_an_over_long_id_with_exit_2(cgroup2_root, state_dir):
+    out = cgturn(cgroup2_root, state_dir, "stop", "t", "x" * (ID_LIMIT + 1))
+    assert out.returncode == 2
+    assert "the limit is" in one_line(out.stderr)
+
+
+def test_the_longest_worst_case_ids_are_guarded_by_the_sentinel(cgroup2_root, state_dir):
+    # Every byte a control character: JSON escapes each as \\u00XX, the largest a message can get.
+    task, turn = "\x01" * ID_LIMIT, "\x02" * ID_LIMIT
+    p = subprocess.Popen([PY, "-m", "cgturn", "--root", cgroup2_root, "--state-dir", state_dir, "run",
+                          "--task", task, "--turn", turn, "--", "sh", "-c", "echo $$; exec sleep 300"],
+                         stdout=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
+    try:
+        pid = int(p.stdout.readline())
+        os.kill(p.pid, signal.SIGKILL)
+        assert wait_until(lambda: not alive(pid), timeout=5.0)
+    finally:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture
+def live_sentinel(cgroup2_manager):
+    client = sentinel.attach(cgroup2_manager)
+    yield cgroup2_manager, client
+    client.close()
+
+
+def test_sentinel_survives_oversized_and_malformed_messages(live_sentinel):
+    mgr, client = live_sentinel
+    turn = mgr.begin_turn("t", "u")
+    proc = turn.spawn(["sleep", "300"])
+    for junk in (b"{" * (sentinel.MAX_MESSAGE + 10),              # would be cut to 64 KiB of garbage
+                 json.dumps({"op": "guard", "key": ["a", "b"], "task": "a", "turn": "b",
+                             "pad": "x" * sentinel.MAX_MESSAGE}).encode(),  # valid JSON, too long
+                 b"\xff\xfe", b"{", b"[]", b"{}", b'{"op": "guard"}', b'{"op": "touch", "key": 5}'):
+        client._sock.sendall(junk)
+    # Still serving: a deadline guard sent after the junk is enforced.
+    client.guard(turn, deadline=time.monotonic())
+    assert wait_until(lambda: proc.poll() is not None, timeout=5.0)
+    # the record is written once the kill is complete, a moment after the process died
+    assert wait_until(lambda: [r["reason"] for r in audit.read_records(mgr.state_dir)] == ["deadline"])
+    assert client.process.poll() is None
+
+
+def test_sentinel_client_refuses_to_send_an_oversized_message(live_sentinel):
+    _mgr, client = live_sentinel
+    fake = types.SimpleNamespace(task_id="t", turn_id="x" * (sentinel.MAX_MESSAGE + 1), last_activity=0.0)
+    with pytest.raises(ValueError, match="limit"):
+        client.guard(fake)
+    assert client.process.poll() is None and not client.closed
+
+
+def test_the_documented_limit_is_the_one_enforced():
+    assert ids.MAX_ID_BYTES == ID_LIMIT
