@@ -10,12 +10,14 @@ import socket
 import subprocess
 import time
 import types
+import uuid
 
 import pytest
 
 from cgturn import audit, ids, sentinel
 from cgturn.manager import TurnManager
-from conftest import PY, alive, wait_until
+from cgturn.kernel import procfs
+from conftest import PY, alive, destroy_cgroup_tree, wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": REPO}
@@ -110,3 +112,107 @@ def test_sentinel_client_refuses_to_send_an_oversized_message(live_sentinel):
 
 def test_the_documented_limit_is_the_one_enforced():
     assert ids.MAX_ID_BYTES == ID_LIMIT
+
+
+# --- items 7, 8: spawn shims die with their owner; gates have no names to collide on -----------------
+
+# The owner: 4 threads spawn `true MARKER` back to back; one byte on stdout per spawn.
+SPAWNING_OWNER = """
+import os, subprocess, sys, threading
+from cgturn.manager import TurnManager
+root, state, marker = sys.argv[1:4]
+mgr = TurnManager(root=root, backend="cgroup2", state_dir=state, sentinel=False)
+turn = mgr.begin_turn("storm")
+def loop():
+    while True:
+        turn.spawn(["true", marker], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        os.write(1, b".")
+for _ in range(4):
+    threading.Thread(target=loop, daemon=True).start()
+threading.Event().wait()
+"""
+
+
+def carrying(marker: str) -> list[int]:
+    """Live processes whose argv holds `marker` (only processes this test started can)."""
+    out = []
+    for pid in procfs.all_pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if marker.encode() in argv and alive(pid):
+            out.append(pid)
+    return out
+
+
+def test_spawn_shims_never_outlive_a_sigkilled_owner(cgroup2_root, state_dir):
+    marker = f"cgturn-shim-marker-{uuid.uuid4().hex}"
+    left: list[int] = []
+    try:
+        for spawned in range(20, 20 + 15 * 6, 6):  # kill at a different point of the storm each round
+            owner = subprocess.Popen([PY, "-c", SPAWNING_OWNER, cgroup2_root, state_dir, marker],
+                                     stdout=subprocess.PIPE, cwd=REPO, env=ENV)
+            try:
+                got = 0
+                while got < spawned:
+                    chunk = owner.stdout.read1(spawned - got)
+                    assert chunk, "the owner died on its own"
+                    got += len(chunk)
+                os.kill(owner.pid, signal.SIGKILL)
+            finally:
+                owner.kill()
+                owner.wait()
+                owner.stdout.close()
+            if not wait_until(lambda: not carrying(marker), timeout=5.0):
+                left = carrying(marker)
+                break
+    finally:
+        for pid in carrying(marker):  # ours: they carry this test's marker
+            os.kill(pid, signal.SIGKILL)
+    assert left == [], f"shims left behind by a SIGKILLed owner: {left}"
+
+
+def test_two_managers_in_one_process_both_spawn(cgroup2_root, state_dir, tmp_path):
+    second_root = cgroup2_root + "-second"
+    try:
+        with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir) as first, \
+                TurnManager(root=second_root, backend="cgroup2", state_dir=str(tmp_path / "second")) as second:
+            for mgr in (first, second, first, second):
+                turn = mgr.begin_turn("two")
+                assert turn.spawn(["true"]).wait(timeout=10) == 0
+                turn.complete()
+    finally:
+        destroy_cgroup_tree(second_root)
+
+
+def test_the_target_gets_exactly_the_fds_popen_gives(cgroup2_manager):
+    turn = cgroup2_manager.begin_turn("fds")
+    keep_r, keep_w = os.pipe()
+    try:
+        for kwargs, expected in (({}, {0, 1, 2}), ({"pass_fds": (keep_w,)}, {0, 1, 2, keep_w})):
+            out = turn.spawn(["sh", "-c", "ls /proc/$$/fd"], stdout=subprocess.PIPE, text=True, **kwargs)
+            assert {int(fd) for fd in out.communicate(timeout=10)[0].split()} == expected
+    finally:
+        os.close(keep_r)
+        os.close(keep_w)
+    turn.complete()
+
+
+def test_a_process_that_is_not_dumpable_still_spawns(cgroup2_manager, monkeypatch):
+    """Its children may not open its fds through /proc: the gate's read end is passed instead."""
+    from cgturn.kernel import procfd
+
+    dropped = subprocess.run([PY, "-c", "import os; from cgturn.kernel import procfd; "
+                              "os.setgroups([]); os.setgid(65534); os.setuid(65534); "
+                              "print(procfd.children_can_open_our_fds())"],
+                             capture_output=True, text=True, cwd=REPO, env=ENV, timeout=30)
+    assert dropped.stdout.split() == ["False"], dropped.stderr  # a uid change makes it non-dumpable
+    assert procfd.children_can_open_our_fds() is True
+    monkeypatch.setattr(procfd, "children_can_open_our_fds", lambda: False)
+    turn = cgroup2_manager.begin_turn("undumpable")
+    out = turn.spawn(["sh", "-c", "ls /proc/$$/fd"], stdout=subprocess.PIPE, text=True)
+    fds = {int(fd) for fd in out.communicate(timeout=10)[0].split()}
+    assert out.returncode == 0 and len(fds - {0, 1, 2}) == 1  # the one drained gate fd
+    turn.complete()
