@@ -24,10 +24,10 @@ ENV = {**os.environ, "PYTHONPATH": REPO}
 ID_LIMIT = 4096  # the documented maximum id length, bytes of UTF-8 (cgturn.ids.MAX_ID_BYTES)
 
 
-def cgturn(root, state_dir, *args, **kwargs):
+def cgturn(root, state_dir, *args, timeout=60, **kwargs):
     """`python -m cgturn` as a real subprocess (bytes argv allowed, for undecodable input)."""
     return subprocess.run([PY, "-m", "cgturn", "--root", root, "--state-dir", state_dir, *args],
-                          capture_output=True, timeout=60, cwd=REPO, env=ENV, **kwargs)
+                          capture_output=True, timeout=timeout, cwd=REPO, env=ENV, **kwargs)
 
 
 def one_line(stderr: bytes) -> str:
@@ -216,3 +216,42 @@ def test_a_process_that_is_not_dumpable_still_spawns(cgroup2_manager, monkeypatc
     fds = {int(fd) for fd in out.communicate(timeout=10)[0].split()}
     assert out.returncode == 0 and len(fds - {0, 1, 2}) == 1  # the one drained gate fd
     turn.complete()
+
+
+# --- item 9: state files that are not regular files ----------------------------------------------------
+
+def _running_turn(root, state_dir, task="t", turn="u"):
+    """A turn of a cgroup2 manager (closed again) with `sleep 300` in it; returns its pid."""
+    with TurnManager(root=root, backend="cgroup2", state_dir=state_dir, sentinel=False) as mgr:
+        return mgr.begin_turn(task, turn).spawn(["sleep", "300"]).pid
+
+
+def test_a_fifo_at_the_audit_log_never_blocks_an_abandon(cgroup2_root, state_dir):
+    os.mkfifo(os.path.join(state_dir, "audit.jsonl"))
+    pid = _running_turn(cgroup2_root, state_dir)
+    try:
+        out = cgturn(cgroup2_root, state_dir, "stop", "t", "u", "--grace", "0", timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("cgturn stop hung on a FIFO at audit.jsonl")
+    assert out.returncode == 0, out.stderr
+    assert b"killed 1 process" in out.stdout and not alive(pid)
+    assert b"not a regular file" in out.stderr  # the failed append is logged, not raised
+
+
+def _limit_memory(nbytes: int):
+    import resource
+    return lambda: resource.setrlimit(resource.RLIMIT_AS, (nbytes, nbytes))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink to /dev/zero"])
+def test_metrics_never_hangs_on_an_audit_log_that_is_not_a_file(cgroup2_root, state_dir, kind):
+    path = os.path.join(state_dir, "audit.jsonl")
+    os.mkfifo(path) if kind == "fifo" else os.symlink("/dev/zero", path)
+    try:  # bounded in memory too: reading /dev/zero to its end would never end
+        out = cgturn(cgroup2_root, state_dir, "metrics", "--once", timeout=30,
+                     preexec_fn=_limit_memory(2 << 30))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"cgturn metrics hung on a {kind} at audit.jsonl")
+    assert out.returncode == 0, out.stderr
+    assert b"cgturn_turns{" in out.stdout and b"cgturn_kills_total{" not in out.stdout
+    assert b"audit.jsonl" in out.stderr
