@@ -23,8 +23,9 @@ def audit_path(state_dir: str) -> str:
 
 def record_kill(state_dir: str, *, task: str, turn: str, reason: str, pids: list[int],
                 signals: list[str], duration_ms: float, backend: str) -> dict:
-    """Write one kill record; returns it. A failing file write is logged, never raised: the kill
-    already happened and must not be reported as failed because the log could not be written."""
+    """Write one kill record; returns it. Never raises for the log's sake: the kill already happened
+    and must not be reported as failed because the log could not be written. A failing write is
+    logged; text that cannot be UTF-8 (a lone surrogate in a reason) is written as a JSON escape."""
     entry = {
         "time": time.time(),
         "task": task,
@@ -43,7 +44,8 @@ def record_kill(state_dir: str, *, task: str, turn: str, reason: str, pids: list
         os.makedirs(state_dir, exist_ok=True)
         fd = statefiles.open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
-            os.write(fd, (line + "\n").encode())
+            # backslashreplace turns a lone surrogate into the JSON escape \udcff: still one valid line.
+            os.write(fd, (line + "\n").encode("utf-8", "backslashreplace"))
         finally:
             os.close(fd)
     except OSError as err:

@@ -255,3 +255,24 @@ def test_metrics_never_hangs_on_an_audit_log_that_is_not_a_file(cgroup2_root, st
     assert out.returncode == 0, out.stderr
     assert b"cgturn_turns{" in out.stdout and b"cgturn_kills_total{" not in out.stdout
     assert b"audit.jsonl" in out.stderr
+
+
+# --- item 12: reasons that are not valid UTF-8 ---------------------------------------------------------
+
+@pytest.mark.parametrize("reason", [b"\xff", b"bad\xed\xb3\xbf", b"  ", b"x" * 1025])
+def test_stop_refuses_a_bad_reason_and_touches_nothing(cgroup2_root, state_dir, reason):
+    pid = _running_turn(cgroup2_root, state_dir)
+    out = cgturn(cgroup2_root, state_dir, "stop", "t", "u", "--grace", "0", b"--reason", reason)
+    assert out.returncode == 2
+    assert "reason" in one_line(out.stderr)
+    assert alive(pid)
+    with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, sentinel=False) as mgr:
+        assert mgr.turn("t", "u").state == "running"
+    assert audit.read_records(state_dir) == []
+
+
+def test_an_audit_record_never_fails_on_a_reasons_encoding(state_dir):
+    entry = audit.record_kill(state_dir, task="t", turn="u", reason="bad\udcff", pids=[1], signals=["SIGKILL"],
+                              duration_ms=1.0, backend="cgroup2")
+    assert entry["reason"] == "bad\udcff"
+    assert [r["reason"] for r in audit.read_records(state_dir)] == ["bad\udcff"]  # one valid JSON line
