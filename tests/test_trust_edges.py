@@ -276,3 +276,15 @@ def test_an_audit_record_never_fails_on_a_reasons_encoding(state_dir):
                               duration_ms=1.0, backend="cgroup2")
     assert entry["reason"] == "bad\udcff"
     assert [r["reason"] for r in audit.read_records(state_dir)] == ["bad\udcff"]  # one valid JSON line
+
+
+# --- item 13: `cgturn run` checks its input before it starts anything ---------------------------------
+
+@pytest.mark.parametrize("args", [["--task", "   "], ["--task", b"\xff"], ["--turn", "x" * (ID_LIMIT + 1)],
+                                  ["--task", "ok", "--turn", ""]], ids=["blank", "undecodable", "long", "blank-turn"])
+def test_run_with_bad_ids_exits_2_having_started_nothing(cgroup2_root, tmp_path, args):
+    state = str(tmp_path / "never-made")  # a sentinel would create it (and its log) at start-up
+    out = cgturn(cgroup2_root, state, "run", *args, "--", "true")
+    assert out.returncode == 2
+    one_line(out.stderr)
+    assert not os.path.exists(state) and not os.path.exists(cgroup2_root)

@@ -24,8 +24,10 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 def register(sub) -> None:
     p = sub.add_parser("run", help="run a command as a new turn")
-    p.add_argument("--task", default=DEFAULT_TASK, help=f"task id (default {DEFAULT_TASK!r})")
-    p.add_argument("--turn", help="turn id (default: a fresh one)")
+    # Ids are checked while parsing, so bad input exits 2 before a sentinel or a turn exists.
+    p.add_argument("--task", type=common.id_arg("task"), default=DEFAULT_TASK,
+                   help=f"task id (default {DEFAULT_TASK!r})")
+    p.add_argument("--turn", type=common.id_arg("turn"), help="turn id (default: a fresh one)")
     p.add_argument("--timeout", type=common.positive_seconds, help="abandon the turn after S seconds (exit 124)")
     p.add_argument("--grace", type=common.non_negative_seconds, default=2.0,
                    help="seconds between SIGTERM and SIGKILL when abandoning (default 2)")
