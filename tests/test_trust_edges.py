@@ -288,3 +288,26 @@ def test_run_with_bad_ids_exits_2_having_started_nothing(cgroup2_root, tmp_path,
     assert out.returncode == 2
     one_line(out.stderr)
     assert not os.path.exists(state) and not os.path.exists(cgroup2_root)
+
+
+# --- item 11: the state directory is a regular file ----------------------------------------------------
+
+@pytest.fixture
+def state_is_a_file(tmp_path):
+    path = tmp_path / "state"
+    path.write_text("not a directory\n")
+    return str(path)
+
+
+def test_kills_finish_and_report_when_the_state_dir_is_a_file(cgroup2_root, state_is_a_file):
+    out = cgturn(cgroup2_root, state_is_a_file, "run", "--timeout", "0.3", "--grace", "0", "--", "sleep", "300")
+    assert out.returncode == 124 and b"Traceback" not in out.stderr, out.stderr
+    pid = _running_turn(cgroup2_root, state_is_a_file)
+    out = cgturn(cgroup2_root, state_is_a_file, "stop", "t", "u", "--grace", "0")
+    assert out.returncode == 0 and b"killed 1 process" in out.stdout, out.stderr
+    assert not alive(pid) and b"Traceback" not in out.stderr
+    with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_is_a_file, sentinel=False) as mgr:
+        turn = mgr.begin_turn("lib")
+        proc = turn.spawn(["sleep", "300"])
+        assert turn.abandon("x", grace=0).killed == [proc.pid]
+        assert mgr.end_task("lib").killed == []
