@@ -311,3 +311,52 @@ def test_kills_finish_and_report_when_the_state_dir_is_a_file(cgroup2_root, stat
         proc = turn.spawn(["sleep", "300"])
         assert turn.abandon("x", grace=0).killed == [proc.pid]
         assert mgr.end_task("lib").killed == []
+
+
+# --- item 6: the sentinel lives without its log, and an owner always knows whether it is guarded --------
+
+def _sigkill_run_and_expect_cmd_gone(argv_prefix):
+    p = subprocess.Popen([*argv_prefix, "run", "--", "sh", "-c", "echo $$; exec sleep 300"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
+    try:
+        line = p.stdout.readline()
+        assert line, p.stderr.read()
+        pid = int(line)
+        os.kill(p.pid, signal.SIGKILL)
+        assert wait_until(lambda: not alive(pid), timeout=5.0), "the command outlived a SIGKILLed cgturn run"
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_sentinel_guards_when_the_state_dir_is_a_file(cgroup2_root, state_is_a_file):
+    _sigkill_run_and_expect_cmd_gone([PY, "-m", "cgturn", "--root", cgroup2_root, "--state-dir", state_is_a_file])
+
+
+def test_sentinel_guards_when_the_state_dir_is_a_read_only_tmpfs(cgroup2_root, tmp_path):
+    """The tmpfs is mounted in a private mount namespace of the run's own: the host never sees it, and
+    it goes away with the namespace's last process."""
+    state = tmp_path / "ro-state"
+    state.mkdir()
+    mount_then_exec = 'mount -t tmpfs -o ro,size=64k cgturn-test-ro "$0" && exec "$@"'
+    _sigkill_run_and_expect_cmd_gone(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                                      mount_then_exec, str(state), PY, "-m", "cgturn", "--root", cgroup2_root,
+                                      "--state-dir", str(state)])
+    assert os.listdir(state) == []  # nothing was written to the directory under the mount
+
+
+def test_sentinel_without_a_log_file_says_so(cgroup2_root, state_is_a_file, caplog):
+    with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_is_a_file) as mgr:
+        client = sentinel.attach(mgr)
+        assert client.process.poll() is None
+    assert any("logs to nowhere" in r.getMessage() and "sentinel.log" in r.getMessage() for r in caplog.records)
+
+
+def test_an_owner_is_told_when_its_sentinel_cannot_start(cgroup2_manager, monkeypatch):
+    from cgturn.errors import SentinelUnavailable
+
+    monkeypatch.setattr(sentinel.sys, "executable", "/bin/false")  # starts, exits at once, says nothing
+    with pytest.raises(SentinelUnavailable, match="could not start.*not guarded"):
+        sentinel.attach(cgroup2_manager)
+    monkeypatch.undo()
+    assert sentinel.attach(cgroup2_manager).process.poll() is None  # a later attach tries again
