@@ -10,6 +10,8 @@ import logging
 import os
 import time
 
+from . import statefiles
+
 log = logging.getLogger("cgturn.audit")
 
 AUDIT_FILE = "audit.jsonl"
@@ -21,8 +23,9 @@ def audit_path(state_dir: str) -> str:
 
 def record_kill(state_dir: str, *, task: str, turn: str, reason: str, pids: list[int],
                 signals: list[str], duration_ms: float, backend: str) -> dict:
-    """Write one kill record; returns it. A failing file write is logged, never raised: the kill
-    already happened and must not be reported as failed because the log could not be written."""
+    """Write one kill record; returns it. Never raises for the log's sake: the kill already happened
+    and must not be reported as failed because the log could not be written. A failing write is
+    logged; text that cannot be UTF-8 (a lone surrogate in a reason) is written as a JSON escape."""
     entry = {
         "time": time.time(),
         "task": task,
@@ -36,29 +39,39 @@ def record_kill(state_dir: str, *, task: str, turn: str, reason: str, pids: list
     }
     line = json.dumps(entry, ensure_ascii=False)
     log.info(line)
+    path = audit_path(state_dir)
     try:
         os.makedirs(state_dir, exist_ok=True)
-        fd = os.open(audit_path(state_dir), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = statefiles.open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
-            os.write(fd, (line + "\n").encode())
+            # backslashreplace turns a lone surrogate into the JSON escape \udcff: still one valid line.
+            os.write(fd, (line + "\n").encode("utf-8", "backslashreplace"))
         finally:
             os.close(fd)
     except OSError as err:
-        log.warning("cannot append to %s: %s", audit_path(state_dir), err)
+        log.warning("cannot append to %s: %s", path, err.strerror or err)
     return entry
 
 
 def read_records(state_dir: str) -> list[dict]:
-    """Every parseable record of the audit log (oldest first); [] when there is none."""
+    """Every parseable record of the audit log (oldest first); [] when there is none, or when it is
+    not a regular file (logged)."""
+    path = audit_path(state_dir)
     try:
-        with open(audit_path(state_dir), encoding="utf-8") as f:
-            lines = f.readlines()
+        fd = statefiles.open_regular(path, os.O_RDONLY)
     except FileNotFoundError:
         return []
+    except OSError as err:
+        log.warning("cannot read %s: %s", path, err.strerror or err)
+        return []
+    with open(fd, encoding="utf-8", errors="replace") as f:
+        lines = f.readlines()
     out = []
     for line in lines:
         try:
-            out.append(json.loads(line))
-        except ValueError:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
             continue
+        if isinstance(record, dict):
+            out.append(record)
     return out

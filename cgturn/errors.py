@@ -53,6 +53,10 @@ class RegistryUnavailable(CgturnError):
     """The registry database cannot be opened or written (permissions, corrupt file, full disk)."""
 
 
+class SentinelUnavailable(CgturnError):
+    """The sentinel process did not start: turns are not guarded against the owner's death."""
+
+
 class KernelError(CgturnError):
     """A cgroupfs or procfs operation failed in a way the caller cannot handle; carries path and data."""
 

@@ -1,6 +1,6 @@
 """Task and turn ids: validation, and the mapping from any id to a safe cgroup directory name.
 
-Ids are arbitrary user strings (`telegram:123/abc`, unicode, 10 KB). A directory name must:
+Ids are user strings (`telegram:123/abc`, unicode) of at most MAX_ID_BYTES bytes of UTF-8. A directory name must:
 contain no `/`, never be `.` or `..`, never clash with a kernel interface file, and fit in 255 bytes.
 Every interface file name contains a dot (`cgroup.procs`, `cpu.stat`), so names without a dot can
 never clash. The encoding is percent-encoding over a small safe alphabet (the dot is encoded), which is
@@ -17,6 +17,11 @@ _SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012345678
 _MAX_NAME = 255
 _PREFIX_KEEP = 180  # readable part of a shortened name; 180 + 1 + 64 hex = 245 bytes
 
+# The longest id accepted, in bytes of UTF-8. Bounded so that whatever carries ids always has room
+# for two of them, even when JSON escapes every byte as \u00XX (6x): a turn record in one 64 KiB
+# xattr value (XATTR_SIZE_MAX, xattr(7)), a sentinel message in one 64 KiB datagram.
+MAX_ID_BYTES = 4096
+
 # Names cgturn makes for its own use start with this character, which the encoder never emits.
 INTERNAL_PREFIX = "#"
 
@@ -30,7 +35,7 @@ def validate(value: object, what: str) -> str:
     """Return `value` if it is a usable id; raise ValueError with a one-line reason otherwise.
 
     Rejected: non-strings, blank strings, strings with NUL, strings that cannot be encoded as UTF-8
-    (lone surrogates).
+    (lone surrogates), and strings longer than MAX_ID_BYTES bytes of UTF-8.
     """
     if not isinstance(value, str):
         raise ValueError(f"{what} id must be a string, not {type(value).__name__}")
@@ -39,9 +44,11 @@ def validate(value: object, what: str) -> str:
     if "\x00" in value:
         raise ValueError(f"{what} id must not contain NUL")
     try:
-        value.encode("utf-8")
+        size = len(value.encode("utf-8"))
     except UnicodeEncodeError:
         raise ValueError(f"{what} id is not valid UTF-8 text") from None
+    if size > MAX_ID_BYTES:
+        raise ValueError(f"{what} id is {size} bytes long; the limit is {MAX_ID_BYTES}")
     return value
 
 

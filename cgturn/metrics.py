@@ -11,6 +11,8 @@ Read-only: collecting never recovers, kills or moves anything.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import threading
 from typing import Callable, Iterable
@@ -18,16 +20,25 @@ from typing import Callable, Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
-from . import audit
+from . import audit, statefiles
 from .model import STATES, TurnInfo
 
 # Upper bounds (seconds) of the abandon-latency histogram: a cgroup.kill lands in ms, a grace period
 # adds seconds.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Longest audit line read (bytes): a record of 100,000 pids is ~0.8 MB; ids and reasons are bounded.
+MAX_LINE = 4 * 1024 * 1024
+
+log = logging.getLogger("cgturn")
 
 
 class AuditTail:
     """Kill counts and latencies from an audit log, read from where the last call stopped.
+
+    The log is writable by others, so nothing in it is trusted: a line that is not a JSON object with
+    the fields and types of a record (a string reason, a list of int pids, a finite duration >= 0),
+    or is longer than MAX_LINE bytes, is skipped and counted in `malformed`; a log that is not a
+    regular file (a FIFO, a symlink to /dev/zero) is not read at all (logged).
 
     Args:
         state_dir: the directory holding `audit.jsonl`.
@@ -40,41 +51,68 @@ class AuditTail:
         self.killed_processes: dict[str, int] = {}
         self.bucket_counts = [0] * (len(self.buckets) + 1)   # the last one is +Inf
         self.latency_sum = 0.0
+        self.malformed = 0
         self._inode: int | None = None
         self._offset = 0
         self._partial = b""
+        self._skipping = False   # inside a line already counted as too long
+        self._refused: str | None = None  # why the log was last refused (logged once per reason)
         self._lock = threading.Lock()   # scrapes may run concurrently (threaded HTTP server)
 
     def update(self) -> None:
         """Fold in the records appended since the last call."""
         with self._lock:
-            try:
-                with open(self.path, "rb") as f:
-                    st = os.fstat(f.fileno())
-                    if st.st_ino != self._inode or st.st_size < self._offset:
-                        # A new or truncated log: its records are new kills, read it from the start.
-                        self._inode, self._offset, self._partial = st.st_ino, 0, b""
-                    f.seek(self._offset)
-                    data = f.read()
-            except FileNotFoundError:
+            data = self._read_new()
+            if data is None:
                 return
-            self._offset += len(data)
             data = self._partial + data
             # Writers append whole lines in one write; an unterminated tail is still being written.
             *lines, self._partial = data.split(b"\n")
             for line in lines:
-                self._add(line)
+                if self._skipping:
+                    self._skipping = False  # the end of an over-long line
+                elif len(line) > MAX_LINE:
+                    self.malformed += 1
+                else:
+                    self._add(line)
+            if len(self._partial) > MAX_LINE:
+                if not self._skipping:
+                    self.malformed += 1
+                self._partial, self._skipping = b"", True
+
+    def _read_new(self) -> bytes | None:
+        """The bytes appended since the last call (at most what the file held at fstat), or None."""
+        try:
+            fd = statefiles.open_regular(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            reason = f"cannot read {self.path}: {err.strerror or err}"
+            if reason != self._refused:
+                log.warning("%s", reason)
+                self._refused = reason
+            return None
+        self._refused = None
+        with open(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if st.st_ino != self._inode or st.st_size < self._offset:
+                # A new or truncated log: its records are new kills, read it from the start.
+                self._inode, self._offset, self._partial, self._skipping = st.st_ino, 0, b"", False
+            f.seek(self._offset)
+            data = f.read(st.st_size - self._offset)
+        self._offset += len(data)
+        return data
 
     def _add(self, line: bytes) -> None:
-        try:
-            record = json.loads(line)
-            reason = str(record.get("reason") or "unknown")
-            pids = record.get("pids") or []
-            seconds = float(record.get("duration_ms", 0.0)) / 1000.0
-        except (ValueError, TypeError, AttributeError):
-            return  # a damaged line must not break the exporter
+        record = parse_kill(line)
+        if record is None:
+            self.malformed += 1
+            return
+        if not record:
+            return  # another action (e.g. a limit event): not a kill
+        reason, npids, seconds = record
         self.kills[reason] = self.kills.get(reason, 0) + 1
-        self.killed_processes[reason] = self.killed_processes.get(reason, 0) + len(pids)
+        self.killed_processes[reason] = self.killed_processes.get(reason, 0) + npids
         self.latency_sum += seconds
         for i, bound in enumerate(self.buckets):
             if seconds <= bound:
@@ -90,6 +128,30 @@ class AuditTail:
             total += count
             out.append((bound, total))
         return out
+
+
+def parse_kill(line: bytes) -> tuple[str, int, float] | tuple[()] | None:
+    """(reason, number of pids, duration in seconds) of a kill record; () for a well-formed record of
+    another action; None for anything malformed."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the parser's limit
+        return None
+    if not isinstance(record, dict):
+        return None
+    action = record.get("action", "kill")  # a record without `action` is a kill
+    if not isinstance(action, str):
+        return None
+    if action != "kill":
+        return ()
+    reason, pids, duration = record.get("reason"), record.get("pids", []), record.get("duration_ms", 0.0)
+    if not isinstance(reason, str) or not reason:
+        return None
+    if not isinstance(pids, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in pids):
+        return None
+    if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not 0 <= duration < math.inf:
+        return None  # NaN fails the comparison too
+    return reason, len(pids), duration / 1000.0
 
 
 class TurnCollector:
@@ -141,7 +203,11 @@ class TurnCollector:
         latency = HistogramMetricFamily("cgturn_abandon_duration_seconds",
                                         "Time from the first signal until the turn was empty and removed.")
         latency.add_metric([], self.audit.histogram_buckets(), sum_value=self.audit.latency_sum)
-        yield from (kills, killed, latency)
+        malformed = CounterMetricFamily("cgturn_audit_malformed_lines",
+                                        f"Audit log lines skipped: not a record, wrong field types, or over "
+                                        f"{MAX_LINE} bytes.")
+        malformed.add_metric([], self.audit.malformed)
+        yield from (kills, killed, latency, malformed)
 
 
 def make_registry(list_turns: Callable[[], list[TurnInfo]], state_dir: str) -> CollectorRegistry:

@@ -12,6 +12,13 @@ rate-limited in the owner (one per TOUCH_INTERVAL per turn), so a stopped owner 
 and its turn dies on time; the sentinel adds SLACK to every due time so the owner's own watchdog,
 which knows the exact activity, normally acts first.
 
+Start-up handshake: the sentinel's first datagram to the owner is `ready` (sent once it can guard:
+its TurnManager is up and the owner's pidfd is open) or `error`; `attach` waits for it (READY_TIMEOUT)
+and raises SentinelUnavailable otherwise, so an owner never believes itself guarded when it is not.
+The sentinel never depends on the state directory to live: when it cannot write `sentinel.log` there
+(read-only, not a directory, a FIFO in its place) it logs to its stderr instead and says so in `ready`,
+and the owner logs a warning.
+
 Owner death: the sentinel holds a pidfd of the owner (5.3+) and also sees EOF on the socket. When the
 owner is dead it abandons every running turn it guards at once (reason `owner-died`, no grace);
 completed turns are not guarded, so their survivors stay. It exits when it guards nothing and the
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import select
 import socket
@@ -33,8 +41,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import ids, processes, reasons
-from .errors import AccessDenied
+from . import ids, processes, reasons, statefiles
+from .errors import AccessDenied, SentinelUnavailable
 from .model import ABANDONED, COMPLETED
 
 log = logging.getLogger("cgturn.sentinel")
@@ -48,11 +56,17 @@ SLACK = 0.25
 SWEEP_INTERVAL = 0.5
 # How long `close()` waits for an idle sentinel to exit before leaving it to finish on its own.
 CLOSE_WAIT = 2.0
+# The largest datagram either end accepts. Ids are at most ids.MAX_ID_BYTES each, so a guard (two
+# ids, each byte escaped as \u00XX at worst) always fits; anything larger is refused, never cut.
 MAX_MESSAGE = 65536
 OWNER_DIED = reasons.OWNER_DIED
 REASON_INACTIVITY = reasons.TIMEOUT
 REASON_DEADLINE = reasons.DEADLINE
 _SEND_TIMEOUT = 2.0
+# How long attach waits for the sentinel's `ready`: an interpreter start and cgturn's imports, on a
+# loaded host.
+READY_TIMEOUT = 10.0
+LOG_FILE = "sentinel.log"
 _ATTACH_LOCK = threading.Lock()
 
 
@@ -69,7 +83,7 @@ def attach(manager) -> "SentinelClient | None":
         The SentinelClient registered as a listener of the manager, or None when disabled.
 
     Raises:
-        OSError: the sentinel process could not be started.
+        SentinelUnavailable: the sentinel did not report `ready` (it failed, or it could not be run).
     """
     if not getattr(manager, "sentinel_enabled", False):
         return None
@@ -97,8 +111,46 @@ class SentinelClient:
         self.closed = False
         try:
             self.process = _start_process(manager, theirs.fileno())
+        except OSError as err:
+            self._sock.close()
+            raise SentinelUnavailable(f"cannot start the sentinel: {err}") from err
         finally:
             theirs.close()
+        self._await_ready()
+
+    def _await_ready(self) -> None:
+        """Wait for the sentinel's `ready`; on anything else stop it and raise SentinelUnavailable."""
+        deadline = time.monotonic() + READY_TIMEOUT
+        problem = f"no word from it within {READY_TIMEOUT:g} s"
+        while (remaining := deadline - time.monotonic()) > 0:
+            if not select.select([self._sock], [], [], remaining)[0]:
+                continue
+            try:
+                data = self._sock.recv(MAX_MESSAGE)
+            except OSError:
+                data = b""
+            try:
+                msg = json.loads(data) if data else {}
+            except ValueError:
+                msg = {}
+            if isinstance(msg, dict) and msg.get("op") == "ready":
+                if msg.get("log_problem"):
+                    log.warning("sentinel %d logs to nowhere: %s", self.process.pid, msg["log_problem"])
+                return
+            if not data:
+                problem = "it exited before it was ready"
+            elif isinstance(msg, dict) and msg.get("op") == "error":
+                problem = str(msg.get("message"))
+            else:
+                problem = f"unexpected first message {data[:80]!r}"
+            break
+        self.closed = True
+        self._sock.close()
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        raise SentinelUnavailable(f"the sentinel could not start ({problem}): turns are not guarded against "
+                                  f"the death of process {os.getpid()} (CGTURN_SENTINEL=0 runs without one)")
 
     def __repr__(self) -> str:
         return f"<SentinelClient pid={self.process.pid} {'closed' if self.closed else 'open'}>"
@@ -158,6 +210,8 @@ class SentinelClient:
         if self.closed:
             return False
         data = json.dumps(message).encode()
+        if len(data) > MAX_MESSAGE:
+            raise ValueError(f"sentinel message of {len(data)} bytes; the limit is {MAX_MESSAGE}")
         try:
             if block:
                 self._sock.sendall(data)
@@ -278,11 +332,15 @@ class Sentinel:
     def _drain(self) -> None:
         while self.sock is not None:
             try:
-                data = self.sock.recv(MAX_MESSAGE, socket.MSG_DONTWAIT)
+                # SOCK_SEQPACKET keeps datagram boundaries; a longer one is cut and flagged MSG_TRUNC.
+                data, _anc, flags, _addr = self.sock.recvmsg(MAX_MESSAGE, 0, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return
             except OSError:
-                data = b""
+                data, flags = b"", 0
+            if flags & socket.MSG_TRUNC:
+                log.error("dropped a message longer than %d bytes from the owner", MAX_MESSAGE)
+                continue
             if not data:
                 self.sock.close()
                 self.sock = None
@@ -290,18 +348,21 @@ class Sentinel:
                 if self.owner_pidfd is not None and select.select([self.owner_pidfd], [], [], 0)[0]:
                     self.owner_dead = True
                 return
-            self._handle(json.loads(data))
+            try:
+                self._handle(parse_message(data))
+            except ValueError as err:
+                # Acting on a damaged message could guard or kill the wrong turn: drop it, keep serving.
+                log.error("dropped a malformed message from the owner: %s", err)
 
     def _handle(self, msg: dict) -> None:
-        op = msg.get("op")
-        key = tuple(msg["key"])
+        op, key = msg["op"], msg["key"]
         if op == "guard":
-            self.guards[key] = Guard(msg["task"], msg["turn"], msg.get("deadline"), msg.get("inactivity"),
-                                     float(msg.get("grace") or 0), float(msg.get("last") or time.monotonic()))
+            self.guards[key] = Guard(msg["task"], msg["turn"], msg["deadline"], msg["inactivity"],
+                                     msg["grace"], msg["last"])
         elif op == "touch":
             guard = self.guards.get(key)
             if guard is not None:
-                guard.last = max(guard.last, float(msg["at"]))
+                guard.last = max(guard.last, msg["at"])
         elif op == "unguard":
             self.guards.pop(key, None)
 
@@ -344,6 +405,43 @@ class Sentinel:
                 del self.guards[key]
 
 
+def parse_message(data: bytes) -> dict:
+    """One datagram from the owner, checked field by field (`key` becomes a tuple of the two encoded
+    names). Raises ValueError for anything else: bad UTF-8 or JSON, a missing or mistyped field."""
+    try:
+        msg = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, RecursionError) as err:
+        raise ValueError(str(err)) from None
+    if not isinstance(msg, dict) or msg.get("op") not in ("guard", "touch", "unguard"):
+        raise ValueError("not a guard, touch or unguard message")
+    key = msg.get("key")
+    if not (isinstance(key, list) and len(key) == 2 and all(isinstance(k, str) and k for k in key)):
+        raise ValueError(f"bad key {key!r:.80}")
+    out = {"op": msg["op"], "key": tuple(key)}
+    if msg["op"] == "guard":
+        for field in ("task", "turn"):
+            out[field] = ids.validate(msg.get(field), field)
+        if [ids.encode(out["task"]), ids.encode(out["turn"])] != key:
+            raise ValueError("key does not match the ids")
+        out["deadline"] = _number(msg, "deadline", optional=True)
+        out["inactivity"] = _number(msg, "inactivity", optional=True)
+        out["grace"] = _number(msg, "grace", optional=True) or 0.0
+        last = _number(msg, "last", optional=True)
+        out["last"] = time.monotonic() if last is None else last
+    elif msg["op"] == "touch":
+        out["at"] = _number(msg, "at")
+    return out
+
+
+def _number(msg: dict, field: str, optional: bool = False) -> float | None:
+    value = msg.get(field)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{field} is not a finite number >= 0: {value!r:.40}")
+    return float(value)
+
+
 def _open_owner(pid: int, start: int) -> int | None:
     """A pidfd of the owner, or None when it is already gone (or a reused pid)."""
     try:
@@ -375,12 +473,45 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the sentinel process. Returns its exit status."""
     args = build_parser().parse_args(argv)
-    os.makedirs(args.state_dir, exist_ok=True)
-    logging.basicConfig(filename=os.path.join(args.state_dir, "sentinel.log"), level=logging.INFO,
-                        format=f"%(asctime)s sentinel[{os.getpid()}] %(levelname)s %(message)s")
-    from .manager import TurnManager
     sock = socket.socket(fileno=args.fd)
-    with TurnManager(root=args.root, backend=args.backend, state_dir=args.state_dir, sentinel=False) as mgr:
-        Sentinel(mgr, sock, args.owner_pid, args.owner_start).run()
+    log_problem = _setup_logging(args.state_dir)
+    try:
+        from .manager import TurnManager
+        mgr = TurnManager(root=args.root, backend=args.backend, state_dir=args.state_dir, sentinel=False)
+    except Exception as err:  # noqa: BLE001 - reported to the owner, who raises SentinelUnavailable
+        log.exception("sentinel cannot start")
+        _tell_owner(sock, {"op": "error", "message": f"{type(err).__name__}: {err}"})
+        return 1
+    with mgr:
+        guard = Sentinel(mgr, sock, args.owner_pid, args.owner_start)
+        _tell_owner(sock, {"op": "ready", "log_problem": log_problem})
+        guard.run()
     return 0
 
+
+def _setup_logging(state_dir: str) -> str | None:
+    """Log to `<state_dir>/sentinel.log`, else to stderr (/dev/null when started by an owner); returns
+    why the file could not be used, or None. Never raises: guarding must not depend on a log."""
+    path = os.path.join(state_dir, LOG_FILE)
+    problem = None
+    try:
+        os.makedirs(state_dir, exist_ok=True)
+        fd = statefiles.open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        handler: logging.Handler = logging.StreamHandler(open(fd, "a", encoding="utf-8", errors="backslashreplace"))
+    except OSError as err:
+        problem = f"cannot write {path}: {err.strerror or err}"
+        handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s sentinel[{os.getpid()}] %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    if problem:
+        log.warning("%s; logging to stderr", problem)
+    return problem
+
+
+def _tell_owner(sock: socket.socket, message: dict) -> None:
+    try:
+        sock.send(json.dumps(message).encode(), socket.MSG_DONTWAIT)
+    except OSError:
+        pass  # the owner is gone: the owner-death path handles that

@@ -250,17 +250,18 @@ class Supervisor:
     def _start(self) -> None:
         if self._started_at is not None:
             raise RuntimeError("a Supervisor runs one worker once")
+        # Attached before the clocks start: the first attach waits for the sentinel to report ready
+        # (an interpreter start), which must not count as the worker's time.
+        client = sentinel.attach(self.turn.manager) if self._use_sentinel else None
         self._started_at = time.monotonic()
         # Inactivity counts from the later of the turn's last touch and now (wall clock since start
         # when nothing touches it); the sentinel gets the same base.
         self.turn.last_activity = max(self.turn.last_activity, self._started_at)
         if self.run_markers is not None:
             self.run_markers.mark(self.turn.task_id, self.turn, self)
-        if self._use_sentinel:
-            self._sentinel = sentinel.attach(self.turn.manager)
-            if self._sentinel is not None:
-                self._sentinel.guard(self.turn, deadline=self._deadline_at(), inactivity=self.timeout,
-                                     grace=self.grace)
+        if client is not None:
+            self._sentinel = client
+            client.guard(self.turn, deadline=self._deadline_at(), inactivity=self.timeout, grace=self.grace)
         if self.timeout is not None or self.deadline is not None:
             self._watchdog = threading.Thread(target=self._watch, name="cgturn-watchdog", daemon=True)
             self._watchdog.start()

@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import ctypes
 import errno
+import json
 import os
 import random
 import select
@@ -445,6 +446,8 @@ def main() -> int:
     ap.add_argument("--spawns", type=int, default=200)
     ap.add_argument("--turns", type=int, default=1000)
     ap.add_argument("--quick", action="store_true", help="1 round, sizes 1,10,100, 50 spawns, 100 turns")
+    ap.add_argument("--spawn-only", action="store_true",
+                    help="only the spawn section, printed as one JSON object (scripts/ab_spawn.py)")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.sizes, args.spawns, args.turns = 1, "1,10,100", 50, 100
@@ -457,6 +460,13 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as state:
+        if args.spawn_only:
+            try:
+                with TurnManager(root=root, backend="cgroup2", state_dir=os.path.join(state, "main")) as mgr:
+                    print(json.dumps(spawn_rows(mgr, state, args.spawns)))
+            finally:
+                destroy(root)
+            return 0
         try:
             os.mkdir(root)
             os.mkdir(os.path.join(root, "floor"))

@@ -49,7 +49,7 @@ def test_metadata_falls_back_to_the_state_dir_when_xattrs_are_refused(mgr, state
 
 
 def test_hostile_ids_each_get_their_own_directory(mgr):
-    hostile = ["..", ".", "cgroup.procs", "a/b", "a%2Fb", "x" * 10_000, "x" * 9_999 + "y", "😀 ünï", "~", "-"]
+    hostile = ["..", ".", "cgroup.procs", "a/b", "a%2Fb", "x" * 4096, "x" * 4095 + "y", "😀 ünï", "~", "-"]
     turns = [mgr.begin_turn(t, t) for t in hostile]
     paths = {turn_dir(mgr, t) for t in turns}
     assert len(paths) == len(hostile)
@@ -314,57 +314,52 @@ def test_listings_trust_parsed_records_only_while_the_task_generation_holds(mgr)
     turn.complete()
 
 
+def open_fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
 def test_a_spawn_whose_turn_vanished_never_runs_its_target(mgr, tmp_path):
     """The gate holds the shim until the parent moved it; if the move fails the target never runs."""
     turn = mgr.begin_turn("vanish")
     rec = turn.record
     marker = tmp_path / "ran"
     Cgroup(turn_dir(mgr, turn)).remove_tree()  # the turn's cgroup is gone before the spawn
+    before = open_fds()
     with pytest.raises(NoSuchTurn):
         mgr.backend.spawn(rec, ["touch", str(marker)], {})
     assert not marker.exists()
-    assert os.listdir(mgr.backend.gates.directory) == [] or all(
-        not name.startswith(f"{os.getpid()}-") for name in os.listdir(mgr.backend.gates.directory))
+    assert mgr.backend.gates._pending == [] and open_fds() <= before  # its gate is closed
 
 
-def my_gates(gates) -> list[str]:
-    return [n for n in os.listdir(gates.directory) if n.startswith(f"{os.getpid()}-")]
+def test_gates_are_closed_once_their_shims_have_read_them(mgr):
+    turn = mgr.begin_turn("gates")
+    turn.spawn(["true"]).wait(timeout=10)
+    mgr.backend.gates.sweep()
+    before = open_fds()
+    for _ in range(20):
+        assert turn.spawn(["true"]).wait(timeout=10) == 0
+    mgr.backend.gates.sweep()
+    assert mgr.backend.gates._pending == [] and open_fds() <= before  # no fd kept per spawn
+    turn.complete()
 
 
-def test_gates_are_reused_once_their_shims_have_read_them_and_removed_at_close(cgroup2_root, state_dir):
-    from cgturn.backends import gates
-    from cgturn.manager import TurnManager
-
-    with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir) as mgr:
-        turn = mgr.begin_turn("gates")
-        for _ in range(20):
-            assert turn.spawn(["true"]).wait(timeout=10) == 0
-        mgr.backend.gates.sweep()
-        assert mgr.backend.gates._pending == []
-        assert 1 <= len(my_gates(mgr.backend.gates)) <= gates.FREE_MAX  # not one FIFO per spawn
-        assert all(gates._unread(g.fd) == 0 for g in mgr.backend.gates._free)
-        turn.complete()
-        spawn_gates = mgr.backend.gates
-    assert my_gates(spawn_gates) == []
-
-
-def test_a_gate_whose_shim_died_before_reading_go_is_removed_not_reused(mgr):
-    """A reused gate must never hold a stale "go": the next shim would start before its move."""
+def test_a_gate_whose_shim_died_before_reading_go_is_closed(mgr):
     from cgturn.backends.cgroup2 import SPAWN_SHIM
 
     spawn_gates = mgr.backend.gates
     gate = spawn_gates.open()
     # a shim that stops itself before it reads, as if frozen, then is killed unread
-    shim = subprocess.Popen(["/bin/sh", "-c", 'kill -STOP $$; ' + SPAWN_SHIM, gate.path, "t", "u", "s", "true"])
+    shim = subprocess.Popen(["/bin/sh", "-c", 'kill -STOP $$; ' + SPAWN_SHIM, gate.path, "t", "u", "s", "true"],
+                            pass_fds=gate.pass_fds)
     assert wait_until(lambda: procfs.stat(shim.pid).state == "T")
+    rfd = gate.rfd
     spawn_gates.release(gate, shim.pid)
     spawn_gates.sweep()
-    assert gate in spawn_gates._pending  # unread, shim alive: kept
+    assert gate in spawn_gates._pending and os.fstat(rfd)  # unread, shim alive: kept
     shim.kill()
     shim.wait(timeout=10)
     spawn_gates.sweep()
-    assert gate not in spawn_gates._pending and gate not in spawn_gates._free
-    assert not os.path.exists(gate.path)
+    assert gate not in spawn_gates._pending and gate.rfd == -1
 
 
 def test_records_kept_between_listings_stay_bounded_when_tasks_are_listed_one_by_one(mgr, monkeypatch):
@@ -378,28 +373,30 @@ def test_records_kept_between_listings_stay_bounded_when_tasks_are_listed_one_by
     assert len(mgr.backend.meta._parsed) <= 3
 
 
-def test_a_forked_child_never_takes_its_parents_gates(mgr):
-    turn = mgr.begin_turn("forked")
-    assert turn.spawn(["true"]).wait(timeout=10) == 0
+def test_a_forked_child_closes_its_copies_of_its_parents_gates(mgr):
+    """Held open in a child, a gate would not read EOF when the parent dies (os.register_at_fork)."""
     spawn_gates = mgr.backend.gates
-    spawn_gates.sweep()
-    parents = {g.path for g in spawn_gates._free}
-    assert parents  # a free gate the child could wrongly take
+    gate = spawn_gates.open()
+    shim = subprocess.Popen(["/bin/sh", "-c", "kill -STOP $$"])
+    spawn_gates.release(gate, shim.pid)  # pending: its "shim" never reads
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: only async-safe-ish work, then _exit
+    if pid == 0:  # the child: report whether the gate's read end is still open here, then _exit
         try:
             os.close(r)
-            gate = spawn_gates.open()
-            os.write(w, gate.path.encode())
-            spawn_gates.discard(gate)
-            spawn_gates.close()  # as a child's atexit might: must not remove the parent's files
+            try:
+                os.fstat(gate.rfd)
+                os.write(w, b"open")
+            except OSError:
+                os.write(w, b"closed")
         finally:
             os._exit(0)
     os.close(w)
     with os.fdopen(r) as f:
         childs = f.read()
     os.waitpid(pid, 0)
-    assert childs and childs not in parents and os.path.basename(childs).startswith(f"{pid}-")
-    assert all(os.path.exists(path) for path in parents)  # the parent's gates are left alone
-    turn.complete()
+    assert childs == "closed" and os.fstat(gate.rfd)  # closed in the child, still the parent's
+    shim.kill()
+    shim.wait(timeout=10)
+    spawn_gates.sweep()
+    assert spawn_gates._pending == []

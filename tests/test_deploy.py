@@ -14,7 +14,6 @@ import uuid
 
 import pytest
 
-from cgturn.backends import gates
 
 from conftest import PY, alive, wait_until
 
@@ -106,8 +105,6 @@ def throwaway_user():
         yield user
     finally:
         subprocess.run(["userdel", name], capture_output=True)
-        # What the user's turns left on tmpfs: its spawn-gate directory (see cgturn/backends/gates.py).
-        shutil.rmtree(gates.gate_directory_path(user.pw_uid), ignore_errors=True)
 
 
 def run_in_cgroup(cgroup_dir: str, argv: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -104,3 +104,63 @@ def test_audit_tail_reads_incrementally_and_survives_rotation(tmp_path):
     tail.update()
     assert tail.kills == {"stop": 2, "timeout": 1} and tail.histogram_buckets()[1] == ("1.0", 2)
     assert tail.latency_sum == pytest.approx(2.505)
+
+
+@pytest.mark.parametrize("line", [
+    '{"pids": 3}',                                            # no reason, pids not a list
+    '{"reason": "stop", "pids": 3, "duration_ms": 1}',
+    '{"reason": "stop", "pids": ["1"], "duration_ms": 1}',
+    '{"reason": "stop", "pids": [true], "duration_ms": 1}',
+    '{"reason": 7, "pids": [], "duration_ms": 1}',
+    '{"reason": "stop", "pids": [], "duration_ms": NaN}',     # Python's json accepts NaN
+    '{"reason": "stop", "pids": [], "duration_ms": Infinity}',
+    '{"reason": "stop", "pids": [], "duration_ms": -5}',
+    '{"reason": "stop", "pids": [], "duration_ms": "5"}',
+    '{"reason": "stop", "action": 3}',
+    "[" * 200_000,                                            # RecursionError in the parser
+    '"just a string"',
+    "\udcff",
+], ids=lambda line: line[:40])
+def test_a_malformed_audit_line_is_skipped_and_counted(tmp_path, line):
+    tail = AuditTail(str(tmp_path), buckets=(1.0,))
+    with open(tmp_path / "audit.jsonl", "w", encoding="utf-8", errors="surrogateescape") as f:
+        f.write(line + "\n" + json.dumps({"reason": "stop", "pids": [1], "duration_ms": 5}) + "\n")
+    tail.update()
+    tail.update()
+    assert tail.malformed == 1
+    assert tail.kills == {"stop": 1} and tail.killed_processes == {"stop": 1}
+    assert tail.latency_sum == pytest.approx(0.005)
+
+
+def test_an_over_long_audit_line_is_skipped_without_being_held(tmp_path, monkeypatch):
+    from cgturn import metrics
+
+    monkeypatch.setattr(metrics, "MAX_LINE", 100)
+    tail = AuditTail(str(tmp_path), buckets=(1.0,))
+    log = tmp_path / "audit.jsonl"
+    _append(log, tail="x" * 150)  # longer than MAX_LINE before its newline even arrives
+    tail.update()
+    assert tail.malformed == 1 and tail._partial == b""
+    _append(log, tail="rest of the long line\n")
+    _append(log, {"reason": "stop", "pids": [], "duration_ms": 1}, tail="y" * 120 + "\n")
+    _append(log, {"reason": "stop", "pids": [], "duration_ms": 1})
+    tail.update()
+    assert tail.malformed == 2 and tail.kills == {"stop": 2}
+
+
+def test_records_of_other_actions_are_not_kills_nor_malformed(tmp_path):
+    tail = AuditTail(str(tmp_path), buckets=(1.0,))
+    _append(tmp_path / "audit.jsonl", {"action": "limit", "reason": "oom", "task": "t", "turn": "u"},
+            {"action": "kill", "reason": "stop", "pids": [], "duration_ms": 1})
+    tail.update()
+    assert tail.kills == {"stop": 1} and tail.malformed == 0
+
+
+def test_the_exporter_keeps_serving_after_a_bad_line(cgroup2_root, state_dir, exporter):
+    url = exporter
+    _append(os.path.join(state_dir, "audit.jsonl"), {"pids": 3}, tail="[" * 200_000 + "\n")
+    _append(os.path.join(state_dir, "audit.jsonl"), {"reason": "stop", "pids": [1], "duration_ms": float("nan")})
+    for _ in range(2):
+        scraped = scrape(url)
+        assert value(scraped, "cgturn_audit_malformed_lines_total") == 3
+    assert value(scraped, "cgturn_abandon_duration_seconds_sum") == 0

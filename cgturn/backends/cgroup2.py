@@ -1,10 +1,11 @@
 """The cgroup v2 backend: every turn is a child cgroup `<root>/<task>/<turn>`; membership is ownership.
 
-Spawn: Popen starts a `/bin/sh` shim that blocks on a FIFO of its own (a "gate", see gates.py); the
-parent writes the shim's pid into the turn's cgroup.procs, then opens the gate; the shim execs the
-target. So the process is in the turn before the target runs one instruction and before `spawn`
-returns, Popen keeps its vfork path (thread-safe: no Python code between fork and exec), and the
-parent never waits for the shell to start. preexec_fn would force fork and is unsafe with threads;
+Spawn: Popen starts a `/bin/sh` shim that blocks reading a pipe of its own (a "gate", see gates.py);
+the parent writes the shim's pid into the turn's cgroup.procs, then writes "go"; the shim execs the
+target. If the parent dies first, the shim reads EOF (or finds no gate) and exits 125. So the process
+is in the turn before the target runs one instruction and before `spawn` returns, Popen keeps its
+vfork path (thread-safe: no Python code between fork and exec), and the parent never waits for the
+shell to start. preexec_fn would force fork and is unsafe with threads;
 spawn-then-move without a gate missed 1-9 % of children here; clone3(CLONE_INTO_CGROUP) from ctypes
 is unsafe with threads.
 
@@ -28,15 +29,16 @@ from ..kernel.discovery import own_cgroup_dir
 from ..model import COMPLETED, CORRUPT, RUNNING, TurnRecord, TurnView
 from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag
 from . import cgroup2_views
-from .gates import SpawnGates, gate_directory
+from .gates import SpawnGates
 from .metadata import XATTR_KEY, MetadataStore
 
 log = logging.getLogger("cgturn")
 
-# `$0` is the gate (a FIFO); $1-$3 the turn's CGTURN_TASK, CGTURN_TURN and CGTURN_SCOPE; the rest the
-# program and its arguments. Anything but "go" (EOF when the parent gave up, or no FIFO) exits 125
-# without running the target. Exporting in the shim spares Popen a copy of the whole environment.
-SPAWN_SHIM = (f'read go < "$0" && [ "$go" = go ] || exit 125; '
+# `$0` is the gate (the path of a pipe's read end); $1-$3 the turn's CGTURN_TASK, CGTURN_TURN and
+# CGTURN_SCOPE; the rest the program and its arguments. Anything but "go" (EOF when the parent gave up
+# or died, or no such fd) exits 125 without running the target, quietly: a parent that died is not the
+# target's error. Exporting in the shim spares Popen a copy of the whole environment.
+SPAWN_SHIM = (f'read go 2>/dev/null < "$0" && [ "$go" = go ] || exit 125; '
               f'export {ENV_TASK}="$1" {ENV_TURN}="$2" {ENV_SCOPE}="$3"; shift 3; exec "$@"')
 FREEZE_TIMEOUT = 1.0
 FALLBACK_ROUNDS = 50
@@ -61,11 +63,11 @@ class Cgroup2Backend(Backend):
 
     @property
     def gates(self) -> SpawnGates:
-        """The spawn gates, made on the first spawn: a read-only user creates no gate directory."""
+        """The spawn gates, made on the first spawn."""
         if self._gates is None:
             with self._gates_lock:  # threads spawning at once must share one set of gates
                 if self._gates is None:
-                    self._gates = SpawnGates(gate_directory(os.path.join(self.state_dir, "spawn")))
+                    self._gates = SpawnGates()
         return self._gates
 
     @property
@@ -152,6 +154,8 @@ class Cgroup2Backend(Backend):
         argv, program, kwargs = prepare_spawn(argv, popen_kwargs)
         gate = self.gates.open()
         shim = ["/bin/sh", "-c", SPAWN_SHIM, gate.path, record.task_key, record.turn_key, self.scope]
+        if gate.pass_fds:
+            kwargs["pass_fds"] = (*kwargs.get("pass_fds", ()), *gate.pass_fds)
         try:
             proc = subprocess.Popen([*shim, program, *argv[1:]], **kwargs)
         except BaseException:
@@ -177,7 +181,7 @@ class Cgroup2Backend(Backend):
         return proc
 
     def _abort_spawn(self, gate, proc: subprocess.Popen) -> None:
-        """Close the gate unopened (the shim reads EOF and exits 125 without running the target)."""
+        """Close the gate without "go" (the shim reads EOF and exits 125 without running the target)."""
         self.gates.discard(gate)
         proc.kill()
         proc.wait()

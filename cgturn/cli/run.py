@@ -2,7 +2,9 @@
 
 Exit status: CMD's own code; 128+N if it died of signal N; 127 not found; 126 not executable; 124 when
 `--timeout` abandoned the turn; 130/143/129 when `cgturn run` itself got SIGINT/SIGTERM/SIGHUP before
-the turn completed (the turn is then abandoned, even if CMD exited first from the same Ctrl-C).
+the turn completed (the turn is then abandoned, even if CMD exited first from the same Ctrl-C); 125
+when no sentinel could be started (CMD would not be guarded against our death; CGTURN_SENTINEL=0 runs
+it without one).
 """
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ import signal
 import sys
 
 from .. import reasons
+from ..errors import SentinelUnavailable
 from . import common
 
 DEFAULT_TASK = "cli"
 EXIT_TIMEOUT = 124
+EXIT_CANNOT_START = 125
 EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -24,8 +28,10 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 def register(sub) -> None:
     p = sub.add_parser("run", help="run a command as a new turn")
-    p.add_argument("--task", default=DEFAULT_TASK, help=f"task id (default {DEFAULT_TASK!r})")
-    p.add_argument("--turn", help="turn id (default: a fresh one)")
+    # Ids are checked while parsing, so bad input exits 2 before a sentinel or a turn exists.
+    p.add_argument("--task", type=common.id_arg("task"), default=DEFAULT_TASK,
+                   help=f"task id (default {DEFAULT_TASK!r})")
+    p.add_argument("--turn", type=common.id_arg("turn"), help="turn id (default: a fresh one)")
     p.add_argument("--timeout", type=common.positive_seconds, help="abandon the turn after S seconds (exit 124)")
     p.add_argument("--grace", type=common.non_negative_seconds, default=2.0,
                    help="seconds between SIGTERM and SIGKILL when abandoning (default 2)")
@@ -44,8 +50,13 @@ def run(args) -> int:
     manager = common.make_manager(args)
     try:
         # Started before the turn exists, so the turn is guarded against our death from its first
-        # moment (a SIGKILLed `cgturn run` must not leave CMD running).
-        attach_sentinel(manager)
+        # moment (a SIGKILLed `cgturn run` must not leave CMD running). Without a sentinel that
+        # promise cannot be kept: refuse to start CMD rather than run it unguarded.
+        try:
+            attach_sentinel(manager)
+        except SentinelUnavailable as err:
+            print(f"cgturn: {err}", file=sys.stderr)
+            return EXIT_CANNOT_START
         turn = manager.begin_turn(args.task, args.turn)
         return _supervise(turn, cmd, args.timeout, args.grace, args.reap_on_exit)
     finally:

@@ -28,9 +28,12 @@ def register(sub) -> None:
 
 
 def _reason(text: str) -> str:
-    if not text.strip() or "\0" in text:
-        raise argparse.ArgumentTypeError("reason must not be blank")
-    return text
+    """An argparse `type`: blank, NUL, undecodable (argv bytes that are not UTF-8) or over-long reasons
+    are usage errors (exit 2), refused before anything is touched."""
+    try:
+        return reasons.validate(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def run(args) -> int:
