@@ -188,7 +188,6 @@ def test_a_turn_directory_without_a_record_is_corrupt_killed_by_reap_and_replace
 
 # --- item 5: huge ids, and one refused record write ---------------------------------------------------
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="id bound lands with branch edges")
 def test_a_70kb_turn_id_is_a_value_error_and_creates_nothing(cgroup2_manager):
     try:
         cgroup2_manager.begin_turn("task", "x" * 70_000)
