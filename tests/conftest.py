@@ -79,6 +79,18 @@ def cgturn_popen(root: str | None, state_dir: str, *args: str, env: dict | None 
                             env=cgturn_env(env), **popen_kwargs)
 
 
+# A `cgturn run` command that keeps running and prints the pid of a daemon it left in the background.
+DAEMON_AND_WAIT = "setsid sleep 300 >/dev/null 2>&1 & echo $!; exec sleep 300"
+
+
+def completed_turn(root: str, state_dir: str, task: str, turn: str) -> int:
+    """`cgturn run` a turn that completes and leaves a daemon running; returns the daemon's pid."""
+    out = cli(root, state_dir, "run", "--task", task, "--turn", turn, "--", "sh", "-c",
+              "setsid sleep 300 >/dev/null 2>&1 & echo $!")
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.split()[-1])
+
+
 def audit_records(state_dir: str, turn: str | None = None) -> list[dict]:
     """The audit log's records (oldest first), only those of turn id `turn` when given."""
     return [r for r in audit.read_records(state_dir) if turn is None or r.get("turn") == turn]
@@ -250,3 +262,23 @@ def escapers(tmp_path):
     yield recipes
     for recipe in recipes.values():
         _escapers.destroy(recipe)
+
+
+@pytest.fixture
+def runs(cgroup2_root, state_dir):
+    """Start `cgturn run` processes (they sit outside the test root); all are killed at teardown.
+    `runs(task, turn, script=DAEMON_AND_WAIT, env=None)` returns the process and the first line it
+    printed, as an int (the daemon's pid)."""
+    started = []
+
+    def start(task, turn, script=DAEMON_AND_WAIT, env=None):
+        p = cgturn_popen(cgroup2_root, state_dir, "run", "--task", task, "--turn", turn, "--", "sh", "-c", script,
+                         env=env)
+        started.append(p)
+        return p, int(p.stdout.readline())
+
+    yield start
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
