@@ -64,12 +64,38 @@ SENTINEL_BEFORE_VALIDATION = pytest.mark.xfail(strict=True, reason="cgturn run w
     ["--bogus", "doctor"],
     ["nosuchcommand"],
     [],
+    ["ps", "--task", ""],
+    ["ps", "--task", "  "],
+    ["ps", "--bogus"],
+    ["stop"],
+    ["stop", "chat"],
+    ["stop", "", "t"],
+    ["stop", "chat", " "],
+    ["stop", "chat", "t", "--grace", "-1"],
+    ["stop", "chat", "t", "--grace", "inf"],
+    ["stop", "chat", "t", "--reason", " "],
+    ["end"],
+    ["end", ""],
+    ["end", "a", "b"],
+    ["reap", "extra"],
+    ["watch", "--interval", "0"],
+    ["watch", "--interval", "x"],
+    ["watch", "--task", ""],
+    ["metrics"],
+    ["metrics", "--listen", "9464"],
+    ["metrics", "--listen", "127.0.0.1:99999"],
+    ["metrics", "--listen", "::1:9464"],
+    ["metrics", "--listen", ":9464"],
+    ["metrics", "--listen", "127.0.0.1:1", "--once"],
+    ["--backend", "bogus", "ps"],
 ])
 def test_bad_input_exits_2_with_one_line_and_touches_nothing(cgroup2_root, state_dir, args, capsys):
     code = main(["--root", cgroup2_root, "--state-dir", state_dir, *args])
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("cgturn: ") and "Traceback" not in err
+    assert captured.out == ""
     assert not os.path.exists(cgroup2_root) and os.listdir(state_dir) == []
 
 

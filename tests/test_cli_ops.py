@@ -9,7 +9,6 @@ import time
 import pytest
 
 from cgturn import RUNNING, TurnManager
-from cgturn.cli import main
 from conftest import (DAEMON_AND_WAIT, alive, audit_reasons, cgturn_popen, cli, completed_turn, kill_scope,
                       wait_until)
 
@@ -156,41 +155,6 @@ def test_watch_once_prints_one_frame(cgroup2_root, state_dir, runs):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("cgturn watch") and "1 running" in out.stdout and "t-1" in out.stdout
     assert "\x1b" not in out.stdout
-
-
-@pytest.mark.parametrize("args", [
-    ["ps", "--task", ""],
-    ["ps", "--task", "  "],
-    ["ps", "--bogus"],
-    ["stop"],
-    ["stop", "chat"],
-    ["stop", "", "t"],
-    ["stop", "chat", " "],
-    ["stop", "chat", "t", "--grace", "-1"],
-    ["stop", "chat", "t", "--grace", "inf"],
-    ["stop", "chat", "t", "--reason", " "],
-    ["end"],
-    ["end", ""],
-    ["end", "a", "b"],
-    ["reap", "extra"],
-    ["watch", "--interval", "0"],
-    ["watch", "--interval", "x"],
-    ["watch", "--task", ""],
-    ["metrics"],
-    ["metrics", "--listen", "9464"],
-    ["metrics", "--listen", "127.0.0.1:99999"],
-    ["metrics", "--listen", "::1:9464"],
-    ["metrics", "--listen", ":9464"],
-    ["metrics", "--listen", "127.0.0.1:1", "--once"],
-    ["--backend", "bogus", "ps"],
-])
-def test_bad_input_exits_2_with_one_line_and_touches_nothing(cgroup2_root, state_dir, args, capsys):
-    code = main(["--root", cgroup2_root, "--state-dir", state_dir, *args])
-    captured = capsys.readouterr()
-    assert code == 2
-    assert captured.err.count("\n") == 1 and captured.err.startswith("cgturn: ")
-    assert captured.out == ""
-    assert not os.path.exists(cgroup2_root)
 
 
 def test_bad_input_leaves_an_existing_turn_alone(cgroup2_root, state_dir, runs):

@@ -248,7 +248,7 @@ def test_another_process_sees_and_abandons_the_turn(registry):
     turn = mgr.begin_turn("shared", "t")
     p = sleeper(turn)
     code = ("import json, sys\n"
-            "from cgturn.manager import TurnManager\n"
+            "from cgturn import TurnManager\n"
             "with TurnManager(backend='registry', state_dir=sys.argv[1]) as m:\n"
             "    pids = m.turns('shared')[0].pids\n"
             "    r = m.turn('shared', 't').abandon('cli', grace=0)\n"

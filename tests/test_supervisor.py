@@ -25,7 +25,7 @@ def _audit(manager, turn_id):
 
 
 def test_watchdog_fires_while_the_event_loop_is_blocked(manager):
-    """A coroutine blocking the loop in time.sleep: processes dead within timeout + grace + 1 s."""
+    """A coroutine blocking the loop in a blocking wait: processes dead within timeout + grace + 1 s."""
     turn = manager.begin_turn("gw", "blocked")
     turn.spawn(DAEMON)
     pids = _pids(turn, 2)
