@@ -15,12 +15,19 @@ import uuid
 
 import pytest
 
+import escapers as _escapers  # helper module (also used by scripts/bench.py): tests reach it through here
+from cgturn import audit
 from cgturn.errors import CgturnError
 from cgturn.kernel import discovery, procfs
 from cgturn.kernel.cgroupfs import Cgroup, KillUnsupported
 
 REQUIRE_CGROUP2 = os.environ.get("CGTURN_REQUIRE_CGROUP2") == "1" or os.environ.get("CI") == "true"
 PY = sys.executable
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The escaper recipes (tests/escapers.py), for test modules: they import from conftest only.
+ESCAPER_NAMES = _escapers.NAMES
+launch_escaper = _escapers.launch
+explain_escaper = _escapers.explain
 
 
 def wait_until(predicate, timeout: float = 5.0, interval: float = 0.005) -> bool:
@@ -35,8 +42,63 @@ def wait_until(predicate, timeout: float = 5.0, interval: float = 0.005) -> bool
 
 
 def alive(pid: int) -> bool:
+    """True while `pid` exists and has not exited (a zombie is dead)."""
     st = procfs.stat(pid)
     return st is not None and st.state not in ("Z", "X")
+
+
+def cgturn_argv(root: str | None, state_dir: str, *args: str, backend: str | None = None) -> list[str]:
+    """argv of `python -m cgturn` with the global options (`root=None`: the default root)."""
+    argv = [PY, "-m", "cgturn"]
+    if root is not None:
+        argv += ["--root", root]
+    if backend is not None:
+        argv += ["--backend", backend]
+    return [*argv, "--state-dir", state_dir, *args]
+
+
+def cgturn_env(env: dict | None = None) -> dict:
+    """The environment for a cgturn subprocess: it imports this checkout's cgturn."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def cli(root: str | None, state_dir: str, *args: str, env: dict | None = None,
+        backend: str | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m cgturn` as a real subprocess; returns its status and text output."""
+    return subprocess.run(cgturn_argv(root, state_dir, *args, backend=backend), capture_output=True, text=True,
+                          timeout=60, env=cgturn_env(env))
+
+
+def cgturn_popen(root: str | None, state_dir: str, *args: str, env: dict | None = None,
+                 backend: str | None = None, **popen_kwargs) -> subprocess.Popen:
+    """Start `python -m cgturn` in the background (stdout piped, text); the caller waits for it."""
+    popen_kwargs.setdefault("stdout", subprocess.PIPE)
+    return subprocess.Popen(cgturn_argv(root, state_dir, *args, backend=backend), text=True,
+                            env=cgturn_env(env), **popen_kwargs)
+
+
+# A `cgturn run` command that keeps running and prints the pid of a daemon it left in the background.
+DAEMON_AND_WAIT = "setsid sleep 300 >/dev/null 2>&1 & echo $!; exec sleep 300"
+
+
+def completed_turn(root: str, state_dir: str, task: str, turn: str) -> int:
+    """`cgturn run` a turn that completes and leaves a daemon running; returns the daemon's pid."""
+    out = cli(root, state_dir, "run", "--task", task, "--turn", turn, "--", "sh", "-c",
+              "setsid sleep 300 >/dev/null 2>&1 & echo $!")
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.split()[-1])
+
+
+def audit_records(state_dir: str, turn: str | None = None) -> list[dict]:
+    """The audit log's records (oldest first), only those of turn id `turn` when given."""
+    return [r for r in audit.read_records(state_dir) if turn is None or r.get("turn") == turn]
+
+
+def audit_reasons(state_dir: str, turn: str | None = None) -> list[str]:
+    """The reasons of the audit log's records, oldest first."""
+    return [r["reason"] for r in audit_records(state_dir, turn)]
 
 
 def _cgroup2_mount() -> str | None:
@@ -139,7 +201,7 @@ def destroy_registry(mgr) -> None:
 @pytest.fixture
 def cgroup2_manager(cgroup2_root, state_dir):
     """A cgroup2-backend TurnManager in its own test root (destroyed by `cgroup2_root`)."""
-    from cgturn.manager import TurnManager
+    from cgturn import TurnManager
 
     mgr = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir)
     yield mgr
@@ -155,7 +217,7 @@ def turn_dir(mgr, turn) -> str:
 @pytest.fixture(params=["cgroup2", "registry"])
 def manager(request, tmp_path):
     """A TurnManager on each backend, torn down completely (processes and cgroups)."""
-    from cgturn.manager import TurnManager
+    from cgturn import TurnManager
 
     state = str(tmp_path / "state")
     if request.param == "cgroup2":
@@ -187,6 +249,36 @@ def bystanders():
 
     yield start
     for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+@pytest.fixture
+def escapers(tmp_path):
+    """Fresh escaper recipes {name: Escaper} (tests/escapers.py); whatever they leave is killed (by
+    unique marker) at teardown."""
+    recipes = _escapers.recipes(str(tmp_path))
+    yield recipes
+    for recipe in recipes.values():
+        _escapers.destroy(recipe)
+
+
+@pytest.fixture
+def runs(cgroup2_root, state_dir):
+    """Start `cgturn run` processes (they sit outside the test root); all are killed at teardown.
+    `runs(task, turn, script=DAEMON_AND_WAIT, env=None)` returns the process and the first line it
+    printed, as an int (the daemon's pid)."""
+    started = []
+
+    def start(task, turn, script=DAEMON_AND_WAIT, env=None):
+        p = cgturn_popen(cgroup2_root, state_dir, "run", "--task", task, "--turn", turn, "--", "sh", "-c", script,
+                         env=env)
+        started.append(p)
+        return p, int(p.stdout.readline())
+
+    yield start
+    for p in started:
         if p.poll() is None:
             p.kill()
         p.wait()

@@ -15,13 +15,11 @@ import signal
 import subprocess
 import sys
 
-from cgturn.kernel import procfs
-from cgturn.manager import TurnManager
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-
-def alive(pid: int) -> bool:
-    st = procfs.stat(pid)
-    return st is not None and st.state not in ("Z", "X")
+from cgturn import TurnManager  # noqa: E402
+from cgturn.kernel import procfs  # noqa: E402
+from conftest import alive  # noqa: E402 - the suite's one liveness check
 
 
 def main(state_dir: str) -> int:

@@ -16,13 +16,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import escapers as esc  # noqa: E402
-from cgturn.kernel import procfs  # noqa: E402
 from cgturn import TurnManager, discover_host  # noqa: E402
-
-
-def alive(pid: int) -> bool:
-    st = procfs.stat(pid)
-    return st is not None and st.state not in ("Z", "X")
+from conftest import alive, wait_until  # noqa: E402 - the suite's helpers
 
 
 def main(state_dir: str, tmpdir: str) -> int:
@@ -38,7 +33,7 @@ def main(state_dir: str, tmpdir: str) -> int:
             members = set(turn.pids())
             result = turn.abandon("scenario", grace=0.2)
             for name, pids in launched.items():
-                esc.wait_for(lambda pids=pids: not any(alive(p) for p in pids), 3.0)
+                wait_until(lambda pids=pids: not any(alive(p) for p in pids), 3.0)
                 report["escapers"][name] = {"pids": pids, "members": sorted(set(pids) & members),
                                             "dead": bool(pids) and not any(alive(p) for p in pids)}
             report["killed"] = result.killed

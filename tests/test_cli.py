@@ -2,19 +2,12 @@
 import json
 import os
 import signal
-import subprocess
 
 import pytest
 
-from cgturn import audit
+from cgturn import TurnManager
 from cgturn.cli import main
-from conftest import PY, alive, wait_until
-
-
-def cli(root, state_dir, *args, **kwargs):
-    """Run `python -m cgturn` as a real subprocess."""
-    return subprocess.run([PY, "-m", "cgturn", "--root", root, "--state-dir", state_dir, *args],
-                          capture_output=True, text=True, timeout=60, **kwargs)
+from conftest import alive, audit_records, cgturn_popen, cli, wait_until
 
 
 def test_doctor_json(cgroup2_root, state_dir):
@@ -25,7 +18,9 @@ def test_doctor_json(cgroup2_root, state_dir):
     assert data["managed_root"] == cgroup2_root
     # Decided without writing: no probe directory, so unknown (null) until a cgroup exists to look at.
     assert data["cgroup_kill"] in (True, None)
-    assert isinstance(data["controllers"], list) and data["problems"] == []
+    with open(os.path.join(os.path.dirname(cgroup2_root), "cgroup.controllers")) as f:
+        assert data["controllers"] == f.read().split()  # the root does not exist: its parent's
+    assert data["problems"] == []
     assert not os.path.exists(cgroup2_root)  # doctor leaves nothing behind
     os.mkdir(cgroup2_root)  # once the root exists, its own cgroup.kill file answers
     again = json.loads(cli(cgroup2_root, state_dir, "doctor", "--json").stdout)
@@ -33,9 +28,9 @@ def test_doctor_json(cgroup2_root, state_dir):
 
 
 def test_doctor_reports_registry_when_asked(state_dir):
-    out = subprocess.run([PY, "-m", "cgturn", "--backend", "registry", "--state-dir", state_dir, "doctor", "--json"],
-                         capture_output=True, text=True, timeout=60)
+    out = cli(None, state_dir, "doctor", "--json", backend="registry")
     assert out.returncode == 0 and json.loads(out.stdout)["backend"] == "registry"
+    assert os.listdir(state_dir) == []  # read-only: not even the registry database
 
 
 @pytest.mark.parametrize("argv, code", [
@@ -53,30 +48,60 @@ def test_run_passes_the_exit_status_through(cgroup2_root, state_dir, tmp_path, a
     assert out.returncode == code, out.stderr
 
 
+SENTINEL_BEFORE_VALIDATION = pytest.mark.xfail(strict=True, reason="cgturn run writes sentinel.log before "
+                                                                   "rejecting a blank task id")
+
+
 @pytest.mark.parametrize("args", [
     ["run"],
     ["run", "--"],
-    ["run", "--task", "", "--", "true"],
-    ["run", "--task", "   ", "--", "true"],
+    # Library fault: `run` starts its sentinel (which writes sentinel.log) before it validates the ids.
+    pytest.param(["run", "--task", "", "--", "true"], marks=SENTINEL_BEFORE_VALIDATION),
+    pytest.param(["run", "--task", "   ", "--", "true"], marks=SENTINEL_BEFORE_VALIDATION),
     ["run", "--timeout", "-1", "--", "true"],
     ["run", "--timeout", "abc", "--", "true"],
     ["run", "--grace", "nan", "--", "true"],
     ["--bogus", "doctor"],
     ["nosuchcommand"],
     [],
+    ["ps", "--task", ""],
+    ["ps", "--task", "  "],
+    ["ps", "--bogus"],
+    ["stop"],
+    ["stop", "chat"],
+    ["stop", "", "t"],
+    ["stop", "chat", " "],
+    ["stop", "chat", "t", "--grace", "-1"],
+    ["stop", "chat", "t", "--grace", "inf"],
+    ["stop", "chat", "t", "--reason", " "],
+    ["end"],
+    ["end", ""],
+    ["end", "a", "b"],
+    ["reap", "extra"],
+    ["watch", "--interval", "0"],
+    ["watch", "--interval", "x"],
+    ["watch", "--task", ""],
+    ["metrics"],
+    ["metrics", "--listen", "9464"],
+    ["metrics", "--listen", "127.0.0.1:99999"],
+    ["metrics", "--listen", "::1:9464"],
+    ["metrics", "--listen", ":9464"],
+    ["metrics", "--listen", "127.0.0.1:1", "--once"],
+    ["--backend", "bogus", "ps"],
 ])
 def test_bad_input_exits_2_with_one_line_and_touches_nothing(cgroup2_root, state_dir, args, capsys):
     code = main(["--root", cgroup2_root, "--state-dir", state_dir, *args])
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("cgturn: ") and "Traceback" not in err
-    assert not os.path.exists(cgroup2_root) or os.listdir(cgroup2_root) == [] or all(
-        not os.path.isdir(os.path.join(cgroup2_root, e)) for e in os.listdir(cgroup2_root))
+    assert captured.out == ""
+    assert not os.path.exists(cgroup2_root) and os.listdir(state_dir) == []
 
 
 def test_existing_turn_id_exits_2(cgroup2_root, state_dir):
-    p = subprocess.Popen([PY, "-m", "cgturn", "--root", cgroup2_root, "--state-dir", state_dir, "run", "--task", "t",
-                          "--turn", "x", "--", "sh", "-c", "echo up; exec sleep 300"], stdout=subprocess.PIPE, text=True)
+    p = cgturn_popen(cgroup2_root, state_dir, "run", "--task", "t", "--turn", "x", "--",
+                     "sh", "-c", "echo up; exec sleep 300")
     try:
         assert p.stdout.readline().strip() == "up"
         out = cli(cgroup2_root, state_dir, "run", "--task", "t", "--turn", "x", "--", "true")
@@ -97,7 +122,6 @@ def test_background_processes_survive_completion(cgroup2_root, state_dir):
     pid = _pid_of_background(out.stdout)
     assert alive(pid)
     # the turn is completed and still owns its survivor: only a forced abandon or end kills it
-    from cgturn.manager import TurnManager
     with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir) as m:
         assert [(i.state, i.pids) for i in m.turns("bg")] == [("completed", [pid])]
         m.end_task("bg")
@@ -116,15 +140,14 @@ def test_timeout_abandons_the_turn_and_exits_124(cgroup2_root, state_dir):
               "sh", "-c", "setsid sleep 300 >/dev/null 2>&1 & echo $!; exec sleep 300")
     assert out.returncode == 124
     assert wait_until(lambda: not alive(_pid_of_background(out.stdout)))
-    records = audit.read_records(state_dir)
+    records = audit_records(state_dir)
     assert records[-1]["reason"] == "timeout" and records[-1]["signals"][0] == "SIGTERM"
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_signal_to_cgturn_run_abandons_the_turn(cgroup2_root, state_dir, sig, code):
-    p = subprocess.Popen([PY, "-m", "cgturn", "--root", cgroup2_root, "--state-dir", state_dir, "run", "--grace", "0.2",
-                          "--", "sh", "-c", "setsid sleep 300 >/dev/null 2>&1 & echo $!; exec sleep 300"],
-                         stdout=subprocess.PIPE, text=True)
+    p = cgturn_popen(cgroup2_root, state_dir, "run", "--grace", "0.2",
+                     "--", "sh", "-c", "setsid sleep 300 >/dev/null 2>&1 & echo $!; exec sleep 300")
     daemon = int(p.stdout.readline())
     p.send_signal(sig)
     assert p.wait(timeout=30) == code
@@ -133,9 +156,9 @@ def test_signal_to_cgturn_run_abandons_the_turn(cgroup2_root, state_dir, sig, co
 
 def test_ctrl_c_that_also_ends_the_command_still_abandons(cgroup2_root, state_dir):
     """SIGINT to the whole process group: the command exits from it first, the turn is still abandoned."""
-    p = subprocess.Popen([PY, "-m", "cgturn", "--root", cgroup2_root, "--state-dir", state_dir, "run", "--grace", "0",
-                          "--", "sh", "-c", "setsid sleep 300 >/dev/null 2>&1 & echo $!; exec sleep 300"],
-                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    p = cgturn_popen(cgroup2_root, state_dir, "run", "--grace", "0",
+                     "--", "sh", "-c", "setsid sleep 300 >/dev/null 2>&1 & echo $!; exec sleep 300",
+                     start_new_session=True)
     daemon = int(p.stdout.readline())
     os.killpg(p.pid, signal.SIGINT)
     assert p.wait(timeout=30) == 130

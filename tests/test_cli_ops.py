@@ -1,49 +1,16 @@
 """The operator commands through the real CLI in a subprocess: ps, stop, end, reap, watch; bad input."""
+import datetime
 import json
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
-from cgturn.cli import main
-from conftest import PY, alive, wait_until
-
-# Keeps the turn's command running and prints the pid of a daemon it left in the background.
-DAEMON_AND_WAIT = "setsid sleep 300 >/dev/null 2>&1 & echo $!; exec sleep 300"
-
-
-def cli(root, state_dir, *args, env=None):
-    """Run `python -m cgturn` as a real subprocess."""
-    return subprocess.run([PY, "-m", "cgturn", "--root", root, "--state-dir", state_dir, *args],
-                          capture_output=True, text=True, timeout=60, env=env)
-
-
-@pytest.fixture
-def runs(cgroup2_root, state_dir):
-    """Start `cgturn run` processes (they sit outside the test root); all are killed at teardown."""
-    started = []
-
-    def start(task, turn, script=DAEMON_AND_WAIT, env=None):
-        p = subprocess.Popen([PY, "-m", "cgturn", "--root", cgroup2_root, "--state-dir", state_dir, "run",
-                              "--task", task, "--turn", turn, "--", "sh", "-c", script],
-                             stdout=subprocess.PIPE, text=True, env=env)
-        started.append(p)
-        return p, int(p.stdout.readline())
-
-    yield start
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-
-
-def completed_turn(root, state_dir, task, turn):
-    """A turn that completed and left a daemon running; returns the daemon's pid."""
-    out = cli(root, state_dir, "run", "--task", task, "--turn", turn, "--", "sh", "-c",
-              "setsid sleep 300 >/dev/null 2>&1 & echo $!")
-    assert out.returncode == 0, out.stderr
-    return int(out.stdout.split()[-1])
+from cgturn import RUNNING, TurnManager
+from conftest import (DAEMON_AND_WAIT, alive, audit_reasons, cgturn_popen, cli, completed_turn, kill_scope,
+                      wait_until)
 
 
 def ps(root, state_dir, *args):
@@ -52,23 +19,24 @@ def ps(root, state_dir, *args):
     return {(row["task"], row["turn"]): row for row in json.loads(out.stdout)}
 
 
-def audit_reasons(state_dir):
-    with open(os.path.join(state_dir, "audit.jsonl")) as f:
-        return [json.loads(line)["reason"] for line in f]
-
-
 def test_ps_shows_every_field_and_filters_by_task(cgroup2_root, state_dir, runs):
+    before = time.time()
     proc, daemon = runs("chat/1", "t-1")
     survivor = completed_turn(cgroup2_root, state_dir, "ci", "job")
     rows = ps(cgroup2_root, state_dir)
+    after = time.time()
     running, completed = rows[("chat/1", "t-1")], rows[("ci", "job")]
     assert running["state"] == "running" and daemon in running["pids"] and len(running["pids"]) >= 2
     assert running["owner_pid"] == proc.pid
     assert completed["state"] == "completed" and completed["pids"] == [survivor]
     for row in rows.values():
-        assert isinstance(row["cpu_seconds"], float) and isinstance(row["memory_bytes"], int)
-        assert row["ports"] == [] and row["age_seconds"] >= 0
+        # each turn ran a shell (its CPU time stays counted) and still holds a sleep (resident memory)
+        assert row["cpu_seconds"] > 0 and row["memory_bytes"] > 0
+        assert row["ports"] == []
         assert row["started_at"].endswith("+00:00")
+        started = datetime.datetime.fromisoformat(row["started_at"]).timestamp()
+        assert before - 0.001 <= started <= after  # started during this test, listed after it started
+        assert 0 <= row["age_seconds"] <= after - started + 0.001
     assert set(ps(cgroup2_root, state_dir, "--task", "ci")) == {("ci", "job")}
     table = cli(cgroup2_root, state_dir, "ps")
     assert table.returncode == 0 and "chat/1" in table.stdout and "completed" in table.stdout
@@ -82,9 +50,27 @@ def test_stop_abandons_a_running_turn_then_says_no_such_turn(cgroup2_root, state
     assert data["skipped"] is False and daemon in data["killed"] and data["reason"] == "operator"
     assert wait_until(lambda: not alive(daemon))
     assert "operator" in audit_reasons(state_dir)
-    assert proc.wait(timeout=30) is not None  # its command died with the turn; cgturn run exits
+    proc.wait(timeout=30)  # its command died with the turn, so cgturn run exits (its status: the test below)
     again = cli(cgroup2_root, state_dir, "stop", "chat", "t-1")
     assert again.returncode == 1 and again.stderr.count("\n") == 1 and "no turn" in again.stderr
+
+
+@pytest.mark.xfail(strict=True, reason="library: cgturn run exits 124 when another process abandons its turn")
+def test_run_stopped_by_someone_else_passes_the_commands_status_through(cgroup2_root, state_dir):
+    """CONTRACT: when someone else abandons its turn, one stderr line names the reason and the status
+    is the command's (128+N), not 124 (which means its own --timeout)."""
+    proc = cgturn_popen(cgroup2_root, state_dir, "run", "--task", "chat", "--turn", "t-1", "--",
+                        "sh", "-c", "echo up; exec sleep 300", stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == "up\n"
+        assert cli(cgroup2_root, state_dir, "stop", "chat", "t-1", "--grace", "5", "--reason", "operator").returncode == 0
+        err = proc.stderr.read()
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM  # the sleep dies of the SIGTERM
+        assert [line for line in err.splitlines() if "operator" in line], err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_stop_leaves_a_completed_turns_survivors_unless_forced(cgroup2_root, state_dir):
@@ -151,9 +137,6 @@ def test_reap_removes_a_completed_turn_with_nothing_left(cgroup2_root, state_dir
 
 def test_recover_true_treats_a_reused_owner_pid_as_dead(cgroup2_root, state_dir):
     """The owner pid is alive (it is us) but its start time differs: a reused pid, not the owner."""
-    from cgturn.manager import TurnManager
-    from cgturn.model import RUNNING
-
     with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir) as mgr:
         turn = mgr.begin_turn("gw", "old")
         child = turn.spawn(["sleep", "300"])
@@ -174,41 +157,6 @@ def test_watch_once_prints_one_frame(cgroup2_root, state_dir, runs):
     assert "\x1b" not in out.stdout
 
 
-@pytest.mark.parametrize("args", [
-    ["ps", "--task", ""],
-    ["ps", "--task", "  "],
-    ["ps", "--bogus"],
-    ["stop"],
-    ["stop", "chat"],
-    ["stop", "", "t"],
-    ["stop", "chat", " "],
-    ["stop", "chat", "t", "--grace", "-1"],
-    ["stop", "chat", "t", "--grace", "inf"],
-    ["stop", "chat", "t", "--reason", " "],
-    ["end"],
-    ["end", ""],
-    ["end", "a", "b"],
-    ["reap", "extra"],
-    ["watch", "--interval", "0"],
-    ["watch", "--interval", "x"],
-    ["watch", "--task", ""],
-    ["metrics"],
-    ["metrics", "--listen", "9464"],
-    ["metrics", "--listen", "127.0.0.1:99999"],
-    ["metrics", "--listen", "::1:9464"],
-    ["metrics", "--listen", ":9464"],
-    ["metrics", "--listen", "127.0.0.1:1", "--once"],
-    ["--backend", "bogus", "ps"],
-])
-def test_bad_input_exits_2_with_one_line_and_touches_nothing(cgroup2_root, state_dir, args, capsys):
-    code = main(["--root", cgroup2_root, "--state-dir", state_dir, *args])
-    captured = capsys.readouterr()
-    assert code == 2
-    assert captured.err.count("\n") == 1 and captured.err.startswith("cgturn: ")
-    assert captured.out == ""
-    assert not os.path.exists(cgroup2_root)
-
-
 def test_bad_input_leaves_an_existing_turn_alone(cgroup2_root, state_dir, runs):
     _, daemon = runs("chat", "t-1")
     for args in (["stop", "chat", "t-1", "--grace", "-1"], ["end", " "], ["stop", "chat", "t-1", "x"]):
@@ -219,17 +167,16 @@ def test_bad_input_leaves_an_existing_turn_alone(cgroup2_root, state_dir, runs):
 
 def test_ps_and_reap_on_the_registry_backend(state_dir):
     """The same recovery where cgroup v2 is not used: owner SIGKILLed, reap finds its turn's daemon."""
-    base = [PY, "-m", "cgturn", "--backend", "registry", "--state-dir", state_dir]
     env = {**os.environ, "CGTURN_SENTINEL": "0"}
-    owner = subprocess.Popen([*base, "run", "--task", "gw", "--turn", "crashed", "--", "sh", "-c", DAEMON_AND_WAIT],
-                             stdout=subprocess.PIPE, text=True, env=env)
+    owner = cgturn_popen(None, state_dir, "run", "--task", "gw", "--turn", "crashed", "--", "sh", "-c",
+                         DAEMON_AND_WAIT, env=env, backend="registry")
     try:
         daemon = int(owner.stdout.readline())
-        rows = json.loads(subprocess.run([*base, "ps", "--json"], capture_output=True, text=True, timeout=60).stdout)
+        rows = json.loads(cli(None, state_dir, "ps", "--json", backend="registry").stdout)
         assert [(r["turn"], r["state"], daemon in r["pids"]) for r in rows] == [("crashed", "running", True)]
         owner.kill()
-        owner.wait()
-        out = subprocess.run([*base, "reap", "--json"], capture_output=True, text=True, timeout=60, env=env)
+        assert owner.wait() == -signal.SIGKILL
+        out = cli(None, state_dir, "reap", "--json", env=env, backend="registry")
         assert out.returncode == 0, out.stderr
         assert [(a["action"], daemon in a["killed"]) for a in json.loads(out.stdout)] == [("abandoned", True)]
         assert wait_until(lambda: not alive(daemon))
@@ -237,13 +184,11 @@ def test_ps_and_reap_on_the_registry_backend(state_dir):
         if owner.poll() is None:
             owner.kill()
             owner.wait()
-        from conftest import kill_scope
         kill_scope(os.path.join(state_dir, "registry.sqlite3"))
 
 
 def test_watch_redraws_until_ctrl_c(cgroup2_root, state_dir):
-    p = subprocess.Popen([PY, "-m", "cgturn", "--root", cgroup2_root, "--state-dir", state_dir, "watch",
-                          "--interval", "0.1"], stdout=subprocess.PIPE, text=True)
+    p = cgturn_popen(cgroup2_root, state_dir, "watch", "--interval", "0.1")
     try:
         headers = 0
         while headers < 2:  # two frames drawn: it keeps refreshing

@@ -27,7 +27,7 @@ USER_PYTHON = "/usr/bin/python3"
 # A turn's life as the delegated user: spawn a setsid daemon, abandon, then try to reach outside.
 USER_SCENARIO = r"""
 import json, os, subprocess, sys
-from cgturn.manager import TurnManager
+from cgturn import TurnManager
 root, outside, state = sys.argv[1:4]
 v2 = [line for line in open("/proc/self/cgroup").read().splitlines() if line.startswith("0::")]
 out = {"euid": os.geteuid(), "cgroup": v2[0]}
@@ -67,7 +67,7 @@ def doctor(**env):
     return {"code": r.returncode, **json.loads(r.stdout)}
 v2 = [line for line in open("/proc/self/cgroup").read().splitlines() if line.startswith("0::")]
 out = {"cgroup": v2[0], "doctor": doctor()}
-from cgturn.manager import TurnManager
+from cgturn import TurnManager
 with TurnManager(backend="cgroup2", state_dir=state) as mgr:
     turn = mgr.begin_turn("chat", "t-1")
     p = turn.spawn(["sh", "-c", "setsid sleep 300 >/dev/null 2>&1 & echo $!"], stdout=subprocess.PIPE, text=True)

@@ -98,7 +98,7 @@ def test_read_only_commands_create_nothing_on_the_registry(tmp_path, command):
 def test_ps_in_a_loop_never_breaks_a_gateways_begin_turn(cgroup2_root, state_dir):
     """The managed root does not exist while `ps` loops; the gateway's begin_turn creates it (and
     removes it again each round): a probe that mkdirs/rmdirs the root would make some of them fail."""
-    from cgturn.manager import TurnManager
+    from cgturn import TurnManager
 
     stop = threading.Event()
     rounds = []
@@ -179,7 +179,7 @@ def test_procfs_tells_gone_from_not_allowed_to_look():
 
 OWNER = textwrap.dedent("""
     import sys
-    from cgturn.manager import TurnManager
+    from cgturn import TurnManager
     mgr = TurnManager(root=sys.argv[1], backend="cgroup2", state_dir=sys.argv[2], sentinel=False)
     turn = mgr.begin_turn("task", "turn")
     p = turn.spawn(["sleep", "300"])
@@ -277,7 +277,7 @@ def test_plugin_with_an_unusable_cgturn_root_is_one_usage_error(cgroup2_root, tm
 
 ADOPT_PID1 = textwrap.dedent("""
     import os, sys
-    from cgturn.manager import TurnManager
+    from cgturn import TurnManager
     assert os.getpid() == 1
     before = open("/proc/1/cgroup").read()
     mgr = TurnManager(root=sys.argv[1], backend="cgroup2", state_dir=sys.argv[2], sentinel=False)
@@ -307,7 +307,7 @@ def test_adopt_refuses_the_caller(manager):
 
 ADOPT_PARENT = textwrap.dedent("""
     import os, sys
-    from cgturn.manager import TurnManager
+    from cgturn import TurnManager
     root = sys.argv[1] or None
     mgr = TurnManager(root=root, backend=sys.argv[2], state_dir=sys.argv[3], sentinel=False)
     turn = mgr.begin_turn("task", "turn")
@@ -378,7 +378,7 @@ def test_adopt_refuses_a_process_of_another_tasks_turn(manager):
 
 
 def test_adopt_refuses_a_process_of_another_managers_turn(cgroup2_manager, tmp_path):
-    from cgturn.manager import TurnManager
+    from cgturn import TurnManager
 
     other_root = os.path.join(need_cgroup2(), f"cgturn-test-{uuid.uuid4().hex[:10]}")
     try:

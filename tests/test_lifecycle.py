@@ -1,15 +1,13 @@
 """Turn lifecycle on both backends (the `manager` fixture is parametrised): real processes throughout."""
 import signal
 import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from cgturn.errors import NoSuchTurn, TurnExists
-from conftest import alive, wait_until
+from cgturn import ABANDONED, RUNNING, NoSuchTurn, TurnExists
+from conftest import PY, alive, wait_until
 
-PY = sys.executable
 SLEEP = ["sleep", "300"]
 
 
@@ -31,7 +29,7 @@ def test_abandon_kills_everything_and_is_idempotent(manager):
     assert not result.skipped and result.reason == "test"
     assert set(pids) <= set(result.killed)
     for p in procs + [shell]:
-        assert p.wait(timeout=10) is not None
+        assert p.wait(timeout=10) == -signal.SIGTERM  # none handles it: the grace's SIGKILL finds nobody
     assert wait_until(lambda: not any(alive(pid) for pid in pids))
     again = turn.abandon("again")
     assert again.skipped and again.killed == []
@@ -39,17 +37,22 @@ def test_abandon_kills_everything_and_is_idempotent(manager):
     assert manager.turns("t") == []
 
 
-def test_predating_and_other_tasks_processes_survive(manager, bystanders):
+def test_predating_other_task_and_completed_survivors_stay_alive(manager, bystanders):
     before = bystanders(*SLEEP)
-    mine = manager.begin_turn("mine")
     other = manager.begin_turn("other")
-    victim = mine.spawn(SLEEP)
     keeper = other.spawn(SLEEP)
-    mine.abandon("stop", grace=0)
+    done = manager.begin_turn("mine", "done")
+    survivor = done.spawn(SLEEP)
+    done.complete()
+    mine = manager.begin_turn("mine", "live")
+    victim = mine.spawn(SLEEP)
+    assert wait_until(lambda: mine.pids() == [victim.pid])
+    assert mine.abandon("stop", grace=0).killed == [victim.pid]
     assert victim.wait(timeout=10) == -signal.SIGKILL
-    assert before.poll() is None and keeper.poll() is None
+    assert before.poll() is None and keeper.poll() is None and survivor.poll() is None
     other.abandon("cleanup", grace=0)
-    keeper.wait(timeout=10)
+    manager.end_task("mine")
+    assert keeper.wait(timeout=10) == survivor.wait(timeout=10) == -signal.SIGKILL
 
 
 def test_completed_turn_survivors_live_until_forced(manager):
@@ -65,6 +68,7 @@ def test_completed_turn_survivors_live_until_forced(manager):
     forced = turn.abandon("forced", grace=0, force=True)
     assert server.pid in forced.killed
     assert server.wait(timeout=10) == -signal.SIGKILL
+    manager.begin_turn("dev", "serve").complete()  # nothing left: the id is free again
 
 
 def test_first_transition_wins(manager):
@@ -93,6 +97,11 @@ def test_sigterm_first_then_sigkill_after_grace(manager, tmp_path):
     assert result.signals == ["SIGTERM", "SIGKILL"]
     assert marker.exists()
     assert stubborn.wait(timeout=10) == -signal.SIGKILL
+    # a process that obeys SIGTERM within the grace never gets the SIGKILL
+    polite = manager.begin_turn("grace", "polite")
+    q = polite.spawn(SLEEP)
+    result = polite.abandon("test", grace=5.0)
+    assert result.signals == ["SIGTERM"] and q.wait(timeout=10) == -signal.SIGTERM
 
 
 def test_grace_zero_sends_no_sigterm(manager, tmp_path):
@@ -103,7 +112,7 @@ def test_grace_zero_sends_no_sigterm(manager, tmp_path):
     assert p.stdout.readline().strip() == "ready"
     result = turn.abandon("now", grace=0)
     assert result.signals == ["SIGKILL"]
-    p.wait(timeout=10)
+    assert p.wait(timeout=10) == -signal.SIGKILL
     assert not marker.exists()
 
 
@@ -160,8 +169,7 @@ def test_end_task_kills_survivors_and_removes_every_turn(manager, bystanders):
     keeper = keeper_turn.spawn(SLEEP)
     result = manager.end_task("job")
     assert {survivor.pid, worker.pid} <= set(result.killed)
-    survivor.wait(timeout=10)
-    worker.wait(timeout=10)
+    assert survivor.wait(timeout=10) == worker.wait(timeout=10) == -signal.SIGKILL  # end_task has no grace
     assert manager.turns("job") == []
     assert outside.poll() is None and keeper.poll() is None
     keeper_turn.abandon("cleanup", grace=0)
@@ -194,6 +202,7 @@ def test_kill_started_since_kills_only_what_is_new_in_that_task(manager):
     new_turn = manager.begin_turn("chat", "2")
     new = [new_turn.spawn(SLEEP) for _ in range(2)]
     assert wait_until(lambda: len(manager.snapshot_running_ids("chat")) == 3)
+    assert manager.snapshot_running_ids("chat") > baseline
     assert manager.kill_started_since(baseline, "chat") == 2
     for p in new:
         assert p.wait(timeout=10) == -signal.SIGKILL
@@ -205,18 +214,25 @@ def test_kill_started_since_kills_only_what_is_new_in_that_task(manager):
 
 
 def test_abandoned_turn_does_not_slip_into_a_later_baseline(manager):
-    """A turn marked abandoned whose kill never ran: its processes are not protected by a baseline."""
+    """A turn marked abandoned whose kill never ran: its processes are not protected by a baseline,
+    not even one taken while it still ran; a newer turn's process in the baseline is."""
     stale = manager.begin_turn("session", "old")
     leaked = stale.spawn(SLEEP)
     assert wait_until(lambda: stale.pids())
+    early = manager.snapshot_running_ids("session")  # taken while the turn still ran: names `leaked`
+    assert len(early) == 1
     # Mark it abandoned without killing (the reaper that should have run was skipped).
-    won, _ = manager.backend.transition(stale.record.task_key, stale.record.turn_key, {"running"},
-                                        "abandoned", {"reason": "skipped-reap"})
+    won, _ = manager.backend.transition(stale.record.task_key, stale.record.turn_key, {RUNNING},
+                                        ABANDONED, {"reason": "skipped-reap"})
     assert won
+    assert manager.snapshot_running_ids("session") == frozenset()
+    newer = manager.begin_turn("session", "new")
+    kept = newer.spawn(SLEEP)
+    assert wait_until(lambda: len(manager.snapshot_running_ids("session")) == 1)
     baseline = manager.snapshot_running_ids("session")
-    assert baseline == frozenset()
-    assert manager.kill_started_since(baseline | {f"{stale.record.turn_key}/{leaked.pid}:0"}, "session") >= 1
+    assert manager.kill_started_since(early | baseline, "session") == 1
     assert leaked.wait(timeout=10) == -signal.SIGKILL
+    assert kept.poll() is None
     manager.end_task("session")
 
 
@@ -276,4 +292,4 @@ def test_spawns_racing_an_abandon_leave_nothing_running(manager):
     worker.join(60)
     assert not errors and refused.is_set()
     for p in started:
-        assert p.wait(timeout=15) is not None
+        assert p.wait(timeout=15) == -signal.SIGKILL

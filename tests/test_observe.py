@@ -5,6 +5,7 @@ import subprocess
 
 import pytest
 
+from cgturn import TurnManager
 from cgturn.kernel import observe
 from conftest import PY, wait_until
 
@@ -41,8 +42,6 @@ def test_ports_of_a_turn_running_http_server(manager):
 
 
 def test_ports_fall_back_to_psutil_when_sock_diag_is_unusable(cgroup2_root, state_dir, monkeypatch):
-    from cgturn.manager import TurnManager
-
     def refused():
         raise observe.DiagUnavailable("forced by the test")
 

@@ -11,26 +11,20 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 
-import escapers as esc
+from cgturn import RUNNING, TurnManager, UnsafeOperation
 from cgturn.backends.reaper import is_child_subreaper
 from cgturn.backends.registry import RegistryBackend
-from cgturn.errors import TurnExists, UnsafeOperation
 from cgturn.kernel import procfs
-from cgturn.manager import TurnManager
-from cgturn.model import ABANDONED, RUNNING, TurnRecord
-from conftest import PY, alive, destroy_registry, kill_scope, wait_until
+from cgturn.model import TurnRecord
+from conftest import (ESCAPER_NAMES, PY, alive, cgturn_env, destroy_registry, explain_escaper, kill_scope,
+                      launch_escaper, wait_until)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-CAUGHT = ["double_fork_setsid", "setsid_f", "nohup_disown", "tmux", "ssh_agent", "start_stop_daemon"]
-IGNORE_TERM = ("import signal, sys, time\n"
-               "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-               "print('ready', flush=True)\n"
-               "time.sleep(300)\n")
+# Every escaper but the one that clears its environment after leaving the tree.
+CAUGHT = [name for name in ESCAPER_NAMES if name != "env_cleared"]
 
 
 # --- fixtures ---------------------------------------------------------------------------------------
@@ -42,25 +36,13 @@ def registry(tmp_path):
 
     def make(subreaper: bool = True) -> TurnManager:
         state = str(tmp_path / f"registry{len(made)}")
-        mgr = TurnManager(backend="registry", state_dir=state)
-        if not subreaper:
-            mgr.backend.close()
-            mgr.backend = RegistryBackend(state, subreaper=False)
+        mgr = TurnManager(backend=RegistryBackend(state, subreaper=subreaper), state_dir=state)
         made.append(mgr)
         return mgr
 
     yield make
     for mgr in made:
         destroy_registry(mgr)
-
-
-@pytest.fixture
-def escapers(tmp_path):
-    """Fresh escaper recipes; whatever they leave is killed (by unique marker) at teardown."""
-    recipes = esc.recipes(str(tmp_path))
-    yield recipes
-    for recipe in recipes.values():
-        esc.destroy(recipe)
 
 
 @pytest.fixture
@@ -83,37 +65,8 @@ def dead(pid: int) -> bool:
     return not alive(pid)
 
 
-# --- lifecycle (both backends through the `manager` fixture) --------------------------------------
+# --- registry specifics (what both backends share is in test_lifecycle.py) -------------------------
 
-def test_spawn_complete_abandon_lifecycle(manager):
-    turn = manager.begin_turn("life", "t1")
-    p = sleeper(turn)
-    assert wait_until(lambda: p.pid in turn.pids())
-    assert turn.complete() is True
-    assert turn.abandon("late").skipped is True  # completed: its survivors are not killed
-    assert alive(p.pid)
-    with pytest.raises(TurnExists):  # completed with a survivor: the id stays taken
-        manager.begin_turn("life", "t1")
-
-    turn2 = manager.begin_turn("life", "t2")
-    q = sleeper(turn2)
-    result = turn2.abandon("stop", grace=1.0)
-    assert not result.skipped and q.pid in result.killed
-    assert q.wait(timeout=5) == -signal.SIGTERM
-    assert turn2.state == ABANDONED
-    assert turn2.abandon("again").skipped is True
-    assert alive(p.pid)
-
-    forced = turn.abandon("end", grace=0, force=True)
-    assert p.pid in forced.killed and p.wait(timeout=5) == -signal.SIGKILL
-    manager.begin_turn("life", "t1").complete()  # gone: the id is free again
-
-
-def test_running_turn_id_is_taken(registry):
-    mgr = registry()
-    mgr.begin_turn("task", "t")
-    with pytest.raises(TurnExists):
-        mgr.begin_turn("task", "t")
 
 
 def test_completed_turn_without_survivors_is_replaced(registry):
@@ -153,9 +106,17 @@ def test_usage_sums_cpu_and_rss(registry):
     mgr = registry()
     turn = mgr.begin_turn("task", "t")
     sleeper(turn)
+    # burns 0.2 s of its own CPU time, then waits: the turn's figure must include it
+    burner = turn.spawn([PY, "-c", "import sys, time\n"
+                                   "while time.process_time() < 0.2: pass\n"
+                                   "print('burnt', flush=True)\n"
+                                   "sys.stdin.read()\n"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert burner.stdout.readline() == "burnt\n"
     [info] = mgr.turns("task")
-    assert info.memory_bytes and info.memory_bytes > 0
-    assert isinstance(info.cpu_seconds, float)
+    assert info.memory_bytes > 0
+    assert info.cpu_seconds >= 0.19  # /proc/PID/stat counts in clock ticks (10 ms): one may be cut off
+    burner.stdin.close()
+    assert burner.wait(timeout=10) == 0
 
 
 # --- escapers ---------------------------------------------------------------------------------------
@@ -167,8 +128,8 @@ def test_escaper_is_caught(registry, escapers, name, subreaper):
     turn = mgr.begin_turn("esc", name)
     assert is_child_subreaper() is subreaper
     recipe = escapers[name]
-    pids = esc.launch(turn, recipe)
-    assert len(pids) == recipe.leftovers, f"left {pids}; {esc.explain(recipe)}"
+    pids = launch_escaper(turn, recipe)
+    assert len(pids) == recipe.leftovers, f"left {pids}; {explain_escaper(recipe)}"
     # A daemon caught in the middle of its exec shows no environment for a moment: look again.
     assert wait_until(lambda: set(pids) <= set(turn.pids())), (pids, turn.pids())
     result = turn.abandon("test", grace=0.2)
@@ -181,10 +142,10 @@ def test_env_cleared_escaper_is_missed(registry, escapers):
     mgr = registry()
     turn = mgr.begin_turn("esc", "cleared")
     recipe = escapers["env_cleared"]
-    [pid] = esc.launch(turn, recipe)
+    [pid] = launch_escaper(turn, recipe)
     assert pid not in turn.pids()
     turn.abandon("test", grace=0)
-    assert alive(pid)  # esc.destroy kills it at teardown
+    assert alive(pid)  # the escapers fixture kills it at teardown
 
 
 def test_fork_storm_ends_with_no_survivors(registry):
@@ -209,41 +170,6 @@ def test_fork_storm_ends_with_no_survivors(registry):
         return [pid for pid in procfs.all_pids() if alive(pid)
                 and (procfs.environ(pid) or {}).get("CGTURN_SCOPE") == scope]
     assert wait_until(lambda: not tagged(), 5), tagged()
-
-
-# --- who must survive -------------------------------------------------------------------------------
-
-def test_predating_other_task_and_completed_survivors_stay_alive(registry, bystanders):
-    mgr = registry()
-    before = bystanders("sleep", "300")
-    other = sleeper(mgr.begin_turn("other-task", "t"))
-    done = mgr.begin_turn("task", "done")
-    survivor = sleeper(done)
-    done.complete()
-    turn = mgr.begin_turn("task", "live")
-    victim = sleeper(turn)
-    assert set(turn.pids()) == {victim.pid}
-    result = turn.abandon("test", grace=0)
-    assert result.killed == [victim.pid]
-    assert victim.wait(timeout=5) == -signal.SIGKILL
-    assert all(alive(p.pid) for p in (before, other, survivor))
-
-
-def test_sigterm_first_then_sigkill_after_grace(registry):
-    mgr = registry()
-    turn = mgr.begin_turn("task", "stubborn")
-    p = turn.spawn([PY, "-c", IGNORE_TERM], stdout=subprocess.PIPE)
-    assert p.stdout.readline() == b"ready\n"
-    started = time.monotonic()
-    result = turn.abandon("test", grace=0.3)
-    assert time.monotonic() - started >= 0.3
-    assert result.signals == ["SIGTERM", "SIGKILL"]
-    assert p.wait(timeout=5) == -signal.SIGKILL
-
-    polite = mgr.begin_turn("task", "polite")
-    q = sleeper(polite)
-    result = polite.abandon("test", grace=5.0)
-    assert result.signals == ["SIGTERM"] and q.wait(timeout=5) == -signal.SIGTERM
 
 
 # --- identity and safety ------------------------------------------------------------------------------
@@ -281,8 +207,8 @@ def test_protected_pids_survive_real_kill_in_pid_namespace(outer_turn, tmp_path)
     """Real SIGKILL path, in a private PID namespace whose PID 1 and ancestors all carry the turn's
     environment and rows: none of them is signalled; the real member dies."""
     state = str(tmp_path / "ns-state")
-    env = {**os.environ, "PYTHONPATH": REPO, "CGTURN_SCOPE": os.path.join(state, "registry.sqlite3"),
-           "CGTURN_TASK": "protect", "CGTURN_TURN": "t1"}
+    env = cgturn_env({**os.environ, "CGTURN_SCOPE": os.path.join(state, "registry.sqlite3"),
+                      "CGTURN_TASK": "protect", "CGTURN_TURN": "t1"})
     inner = f'{PY} {os.path.join(HERE, "registry_protect.py")} {state}; true'
     p = outer_turn.spawn(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", f"sh -c '{inner}'; true"],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -294,45 +220,6 @@ def test_protected_pids_survive_real_kill_in_pid_namespace(outer_turn, tmp_path)
     assert report["signalled"] == [report["victim"]] and report["killed"] == [report["victim"]]
     assert report["contains_caller"] is True
     assert report["victim_status"] == -signal.SIGKILL
-
-
-# --- compatibility with the registry cgturn replaces -------------------------------------------------
-
-def test_snapshot_and_kill_started_since(manager):
-    t1 = manager.begin_turn("A", "t1")
-    p1 = sleeper(t1)
-    other = sleeper(manager.begin_turn("B", "t1"))
-    baseline = manager.snapshot_running_ids("A")
-    assert len(baseline) == 1
-    t2 = manager.begin_turn("A", "t2")
-    p2 = sleeper(t2)
-    assert manager.snapshot_running_ids("A") > baseline
-    assert manager.kill_started_since(baseline, "A") == 1
-    assert p2.wait(timeout=5) == -signal.SIGKILL
-    assert alive(p1.pid) and alive(other.pid)
-    # Blank task ids match nothing.
-    assert manager.snapshot_running_ids("") == frozenset()
-    assert manager.snapshot_running_ids("  ") == frozenset()
-    assert manager.kill_started_since(frozenset(), " ") == 0
-    assert alive(p1.pid) and alive(other.pid)
-
-
-def test_abandoned_turn_is_not_protected_by_a_later_baseline(manager):
-    """A turn marked abandoned whose reap never ran: its process is killed whatever the baseline."""
-    old = manager.begin_turn("A", "old")
-    p = sleeper(old)
-    early = manager.snapshot_running_ids("A")  # taken while the turn still ran: contains p
-    rec = old.record
-    won, _ = manager.backend.transition(rec.task_key, rec.turn_key, {RUNNING}, ABANDONED, {"reason": "lost"})
-    assert won
-    late = manager.snapshot_running_ids("A")
-    assert late == frozenset()
-    newer = manager.begin_turn("A", "new")
-    q = sleeper(newer)
-    baseline = manager.snapshot_running_ids("A")
-    assert manager.kill_started_since(early | baseline, "A") == 1
-    assert p.wait(timeout=5) == -signal.SIGKILL
-    assert alive(q.pid)
 
 
 # --- cross-process atomicity ---------------------------------------------------------------------------
@@ -347,7 +234,7 @@ def test_first_transition_wins_across_processes(registry):
             "print(int(won))\n")
     state = os.path.dirname(mgr.backend.scope)
     procs = [subprocess.Popen([PY, "-c", code, state, "completed" if i % 2 else "abandoned"],
-                              stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": REPO})
+                              stdout=subprocess.PIPE, env=cgturn_env())
              for i in range(8)]
     wins = [int(p.communicate(timeout=60)[0]) for p in procs]
     assert sum(wins) == 1
@@ -361,13 +248,13 @@ def test_another_process_sees_and_abandons_the_turn(registry):
     turn = mgr.begin_turn("shared", "t")
     p = sleeper(turn)
     code = ("import json, sys\n"
-            "from cgturn.manager import TurnManager\n"
+            "from cgturn import TurnManager\n"
             "with TurnManager(backend='registry', state_dir=sys.argv[1]) as m:\n"
             "    pids = m.turns('shared')[0].pids\n"
             "    r = m.turn('shared', 't').abandon('cli', grace=0)\n"
             "    print(json.dumps([pids, r.killed]))\n")
     out = subprocess.run([PY, "-c", code, os.path.dirname(mgr.backend.scope)], capture_output=True,
-                         timeout=60, env={**os.environ, "PYTHONPATH": REPO}, check=True).stdout
+                         timeout=60, env=cgturn_env(), check=True).stdout
     assert json.loads(out) == [[p.pid], [p.pid]]
     assert p.wait(timeout=5) == -signal.SIGKILL
     assert mgr.turns("shared") == []
@@ -395,11 +282,10 @@ def test_subreaper_never_steals_a_popen_exit_status(registry):
     plain = subprocess.Popen(["sh", "-c", "exit 9"])
     for child in (mine, plain):
         assert wait_until(lambda child=child: procfs.stat(child.pid).state == "Z", 5)
-    # Several reaper sweeps later they are still zombies waiting for their Popen.
-    deadline = time.monotonic() + 0.3
-    while time.monotonic() < deadline:
+    # Several reaper sweeps later (run here, so they surely ran) they are still zombies waiting for their Popen.
+    for _ in range(5):
+        mgr.backend._reaper.sweep()
         assert procfs.stat(mine.pid).state == "Z" and procfs.stat(plain.pid).state == "Z"
-        time.sleep(0.02)
     assert mine.wait(timeout=5) == 7 and plain.wait(timeout=5) == 9
 
 
@@ -427,8 +313,7 @@ def test_fallback_in_namespace_without_cgroup2(outer_turn, tmp_path):
     # too, and the tmpfs covers the directory, so this namespace looks like a host without cgroup v2.
     shell = (f"umount -R -l /sys/fs/cgroup 2>/dev/null; mount -t tmpfs none /sys/fs/cgroup && "
              f"exec {PY} {script} {state} {work}")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CGTURN_")}
-    env["PYTHONPATH"] = REPO
+    env = cgturn_env({k: v for k, v in os.environ.items() if not k.startswith("CGTURN_")})
     p = outer_turn.spawn(["unshare", "--mount", "--propagation", "private", "sh", "-c", shell],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = p.communicate(timeout=120)

@@ -9,17 +9,15 @@ import uuid
 
 import pytest
 
-from cgturn import sentinel
-from cgturn.manager import TurnManager
-from conftest import PY, alive, destroy_cgroup_tree, kill_scope, need_cgroup2, wait_until
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from cgturn import TurnManager, attach_sentinel
+from cgturn.sentinel import SLACK
+from conftest import (DAEMON_AND_WAIT, PY, alive, audit_reasons, cgturn_env, cgturn_popen, destroy_cgroup_tree,
+                      kill_scope, need_cgroup2, wait_until)
 
 # The owner: begins turns, prints what the test needs as one JSON line, then blocks in a supervisor.
 OWNER = textwrap.dedent("""
     import json, sys, threading, time
-    from cgturn.manager import TurnManager
-    from cgturn.supervisor import Supervisor
+    from cgturn import Supervisor, TurnManager
     root, backend, state, timeout, touch_for = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), float(sys.argv[5])
     mgr = TurnManager(root=root or None, backend=backend, state_dir=state)
     done = mgr.begin_turn("gw", "done")
@@ -56,7 +54,7 @@ def owner(request, tmp_path):
 
     def start(timeout=60.0, touch_for=0.0):
         p = subprocess.Popen([PY, "-c", OWNER, root, request.param, state, str(timeout), str(touch_for)],
-                             stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+                             stdout=subprocess.PIPE, text=True, env=cgturn_env())
         procs.append(p)
         info = json.loads(p.stdout.readline())
         return p, info, TurnManager(root=root or None, backend=request.param, state_dir=state, sentinel=False)
@@ -78,12 +76,6 @@ def owner(request, tmp_path):
         kill_scope(scope)
 
 
-def _reasons(state_dir, turn=None):
-    path = os.path.join(state_dir, "audit.jsonl")
-    records = list(map(json.loads, open(path))) if os.path.exists(path) else []
-    return [r["reason"] for r in records if turn is None or r["turn"] == turn]
-
-
 def test_sentinel_kills_a_stopped_owners_turn_on_time(owner):
     """The owner touches (activity reaches the sentinel), then is SIGSTOPped: its turn dies on time."""
     timeout = 0.5
@@ -91,11 +83,12 @@ def test_sentinel_kills_a_stopped_owners_turn_on_time(owner):
     # Touched for 3x the timeout: alive, so the touches reached the sentinel.
     assert all(alive(pid) for pid in info["pids"])
     os.kill(p.pid, signal.SIGSTOP)
-    bound = timeout + sentinel.SLACK + 0.2 + 1.0
+    bound = timeout + SLACK + 0.2 + 1.0
     assert wait_until(lambda: not any(alive(pid) for pid in info["pids"]), timeout=bound)
-    assert wait_until(lambda: "timeout" in _reasons(mgr.state_dir, "live"))  # written after the kill
+    assert wait_until(lambda: "timeout" in audit_reasons(mgr.state_dir, "live"))  # written after the kill
     assert alive(info["survivor"]) and alive(info["sentinel"])  # completed turn's survivor lives on
     os.kill(p.pid, signal.SIGKILL)
+    assert p.wait(timeout=10) == -signal.SIGKILL
     assert wait_until(lambda: not alive(info["sentinel"]))  # nothing left to guard, owner gone
     mgr.close()
 
@@ -103,39 +96,38 @@ def test_sentinel_kills_a_stopped_owners_turn_on_time(owner):
 def test_sigkilled_owner_loses_its_running_turns_at_once(owner):
     p, info, mgr = owner()
     os.kill(p.pid, signal.SIGKILL)
+    assert p.wait(timeout=10) == -signal.SIGKILL
     assert wait_until(lambda: not any(alive(pid) for pid in info["pids"]), timeout=1.0)
     assert wait_until(lambda: not alive(info["sentinel"]))
     assert alive(info["survivor"])
     assert [i.state for i in mgr.turns("gw")] == ["completed"]
-    assert wait_until(lambda: _reasons(mgr.state_dir, "live") == ["owner-died"])
+    assert wait_until(lambda: audit_reasons(mgr.state_dir, "live") == ["owner-died"])
     mgr.close()
 
 
 def test_switched_off_sentinel(tmp_path, monkeypatch):
     mgr = TurnManager(backend="registry", state_dir=str(tmp_path), sentinel=False)
-    assert sentinel.attach(mgr) is None
+    assert attach_sentinel(mgr) is None
     mgr.close()
     monkeypatch.setenv("CGTURN_SENTINEL", "0")
     mgr = TurnManager(backend="registry", state_dir=str(tmp_path))
-    assert mgr.sentinel_enabled is False and sentinel.attach(mgr) is None
+    assert mgr.sentinel_enabled is False and attach_sentinel(mgr) is None
     mgr.close()
 
 
 def test_idle_sentinel_exits_when_its_manager_closes(manager):
-    client = sentinel.attach(manager)
-    assert sentinel.attach(manager) is client  # one per manager
+    client = attach_sentinel(manager)
+    assert attach_sentinel(manager) is client  # one per manager
     turn = manager.begin_turn("t")
     turn.complete()
     manager.close()
-    assert client.process.poll() is not None
+    assert client.process.wait(timeout=10) == 0  # it exits by itself, cleanly
 
 
 # --- `cgturn run` on the supervisor ------------------------------------------------------------------
 
 def _cgturn_run(root, state_dir, *args):
-    return subprocess.Popen([PY, "-m", "cgturn", "--root", root, "--state-dir", state_dir, "run", *args,
-                             "--", "sh", "-c", "setsid sleep 300 >/dev/null 2>&1 & echo $!; exec sleep 300"],
-                            stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    return cgturn_popen(root, state_dir, "run", *args, "--", "sh", "-c", DAEMON_AND_WAIT)
 
 
 def test_sigkill_to_cgturn_run_leaves_nothing_running(cgroup2_root, state_dir):
@@ -143,6 +135,7 @@ def test_sigkill_to_cgturn_run_leaves_nothing_running(cgroup2_root, state_dir):
     try:
         daemon = int(p.stdout.readline())
         os.kill(p.pid, signal.SIGKILL)
+        assert p.wait(timeout=10) == -signal.SIGKILL
         assert wait_until(lambda: not alive(daemon), timeout=1.0)
     finally:
         p.kill()
@@ -154,10 +147,10 @@ def test_sigstop_to_cgturn_run_does_not_stop_its_timeout(cgroup2_root, state_dir
     try:
         daemon = int(p.stdout.readline())
         os.kill(p.pid, signal.SIGSTOP)
-        assert wait_until(lambda: not alive(daemon), timeout=0.5 + sentinel.SLACK + 0.2 + 2.0)
+        assert wait_until(lambda: not alive(daemon), timeout=0.5 + SLACK + 0.2 + 2.0)
         os.kill(p.pid, signal.SIGCONT)
         assert p.wait(timeout=30) == 124
-        assert _reasons(state_dir)[-1] == "timeout"
+        assert audit_reasons(state_dir)[-1] == "timeout"
     finally:
         p.kill()
         p.wait()

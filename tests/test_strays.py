@@ -3,17 +3,11 @@ process running as the manager's user can do in a delegated tree) is noticed by 
 `reap`; the caller, its ancestors and PID 1 are never touched."""
 import json
 import os
-import subprocess
 
-from cgturn.errors import UnsafeOperation
-from conftest import PY, alive, wait_until
+from cgturn import UnsafeOperation
+from conftest import PY, alive, cli, wait_until
 
 import pytest
-
-
-def cli(root, state_dir, *args):
-    return subprocess.run([PY, "-m", "cgturn", "--root", root, "--state-dir", state_dir, *args],
-                          capture_output=True, text=True, timeout=60)
 
 
 ESCAPE = 'import os, sys, time; open(sys.argv[1] + "/cgroup.procs", "w").write(str(os.getpid())); time.sleep(300)'

@@ -1,15 +1,14 @@
 """The supervisor on both backends: watchdog on a blocked loop, race rules, stop causes, markers, guard."""
 import asyncio
-import json
-import os
 import random
+import signal
 import threading
 import time
 
 import pytest
 
-from cgturn.supervisor import Outcome, Run, Supervisor, reap_disconnected
-from conftest import alive, wait_until
+from cgturn import Run, Supervisor, reap_disconnected
+from conftest import alive, audit_records, wait_until
 
 SLEEP = ["sleep", "300"]
 # A daemon that leaves the process tree and the session: only the turn's ownership finds it.
@@ -22,14 +21,11 @@ def _pids(turn, count):
 
 
 def _audit(manager, turn_id):
-    path = os.path.join(manager.state_dir, "audit.jsonl")
-    if not os.path.exists(path):
-        return []
-    return [r for r in map(json.loads, open(path)) if r["turn"] == turn_id]
+    return audit_records(manager.state_dir, turn_id)
 
 
 def test_watchdog_fires_while_the_event_loop_is_blocked(manager):
-    """A coroutine blocking the loop in time.sleep: processes dead within timeout + grace + 1 s."""
+    """A coroutine blocking the loop in a blocking wait: processes dead within timeout + grace + 1 s."""
     turn = manager.begin_turn("gw", "blocked")
     turn.spawn(DAEMON)
     pids = _pids(turn, 2)
@@ -43,11 +39,8 @@ def test_watchdog_fires_while_the_event_loop_is_blocked(manager):
         unblock.set()
 
     async def worker():
-        # time.sleep blocks the event loop for up to 10 s; the monitor ends it once it has its answer.
-        for _ in range(200):
-            if unblock.is_set():
-                break
-            time.sleep(0.05)
+        # A blocking wait blocks the event loop for up to 10 s; the monitor ends it once it has its answer.
+        unblock.wait(10)
         return "late reply"
 
     async def main():
@@ -67,7 +60,7 @@ def test_completion_timeout_race(manager):
     live, abandoned turns leave nothing."""
     rng = random.Random(3)
     seen = {"completed": 0, "abandoned": 0}
-    survivors = []
+    survivors = {}  # turn id -> the process a completed turn left running
 
     async def one(i):
         turn = manager.begin_turn("race", f"r{i}")
@@ -94,7 +87,7 @@ def test_completion_timeout_race(manager):
             assert state == "completed" and outcome.reason is None
             if spawn:
                 assert outcome.result.poll() is None, "a completed turn's survivor was killed"
-                survivors.append(outcome.result)
+                survivors[f"r{i}"] = outcome.result
         else:
             assert state == "abandoned" and outcome.reason == "timeout" and outcome.result is None
             assert turn.pids() == [], "an abandoned turn leaked"
@@ -105,13 +98,14 @@ def test_completion_timeout_race(manager):
             await one(i)
 
     asyncio.run(main())
-    assert sum(seen.values()) == 200
     print("race outcomes:", seen)
-    for proc in survivors:
+    for proc in survivors.values():
         assert proc.poll() is None
+    # abandoned turns and completed empty ones are gone; exactly the turns with a survivor remain
+    assert {i.turn for i in manager.turns("race")} == set(survivors)
     manager.end_task("race")
-    for proc in survivors:
-        assert proc.wait(timeout=10) is not None
+    for proc in survivors.values():
+        assert proc.wait(timeout=10) == -signal.SIGKILL
 
 
 def test_stop_after_completion_kills_nothing(manager):
@@ -202,7 +196,7 @@ def test_is_still_current_guard(manager, guard, killed):
     assert interrupts == ["timeout"]  # the interrupt fires even when the kill is skipped
     assert outcome.abandon.skipped is (not killed)
     if killed:
-        assert proc.wait(timeout=10) is not None and turn.state == "abandoned"
+        assert proc.wait(timeout=10) == -signal.SIGKILL and turn.state == "abandoned"
     else:
         assert proc.poll() is None and turn.state == "running"
         turn.abandon("cleanup", grace=0)
@@ -256,7 +250,7 @@ def test_hard_deadline_holds_despite_activity(manager):
     sup = Supervisor(turn, timeout=0.2, deadline=0.6, grace=0, on_interrupt=lambda why: stop.set())
     outcome = sup.run_blocking(busy)
     assert outcome.reason == "deadline" and _audit(manager, turn.turn_id)[-1]["reason"] == "deadline"
-    assert proc.wait(timeout=10) is not None
+    assert proc.wait(timeout=10) == -signal.SIGKILL
 
 
 def test_activity_callable_and_worker_error(manager):
@@ -267,9 +261,9 @@ def test_activity_callable_and_worker_error(manager):
         raise RuntimeError("agent crashed")
 
     outcome = Supervisor(turn, timeout=30, grace=0, activity=time.monotonic).run_blocking(failing)
-    assert isinstance(outcome, Outcome) and outcome.reason == "error"
-    assert isinstance(outcome.error, RuntimeError) and not outcome.interrupted
-    assert proc.wait(timeout=10) is not None
+    assert outcome.reason == "error" and outcome.abandoned and not outcome.interrupted
+    assert type(outcome.error) is RuntimeError and str(outcome.error) == "agent crashed"
+    assert proc.wait(timeout=10) == -signal.SIGKILL
 
 
 def test_cancelling_run_abandons_the_turn(manager):
@@ -277,12 +271,18 @@ def test_cancelling_run_abandons_the_turn(manager):
     proc = turn.spawn(SLEEP)
 
     async def main():
-        task = asyncio.ensure_future(Supervisor(turn, grace=0).run(asyncio.sleep, 300))
-        await asyncio.sleep(0.05)
+        started = asyncio.Event()
+
+        async def worker():
+            started.set()
+            await asyncio.sleep(300)
+
+        task = asyncio.ensure_future(Supervisor(turn, grace=0).run(worker))
+        await started.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
     asyncio.run(main())
     assert _audit(manager, turn.turn_id)[-1]["reason"] == "cancelled"
-    assert proc.wait(timeout=10) is not None
+    assert proc.wait(timeout=10) == -signal.SIGKILL

@@ -4,6 +4,7 @@ by os.setxattr on cgroups the test created and kills aimed at processes the test
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -89,7 +90,7 @@ def test_a_record_with_wrong_field_types_is_corrupt_and_killable(cgroup2_manager
 
 ABANDON_PARENTS_TURN = textwrap.dedent("""
     import sys
-    from cgturn.manager import TurnManager
+    from cgturn import TurnManager
     sys.stdin.readline()                      # the test has moved our parent into the turn
     mgr = TurnManager(root=sys.argv[1], backend="cgroup2", state_dir=sys.argv[2], sentinel=False)
     try:
@@ -208,8 +209,9 @@ def test_one_refused_record_write_does_not_switch_the_manager_to_files(cgroup2_m
     monkeypatch.setattr(TurnRecord, "to_json",
                         lambda rec: {**plain(rec), "pad": "x" * 70_000} if rec.turn_id == "big" else plain(rec))
     big, pbig = sleeping_turn(cgroup2_manager, "task", "big")
-    with pytest.raises(OSError):
+    with pytest.raises(OSError) as missing:
         os.getxattr(turn_dir(cgroup2_manager, big), XATTR)   # the kernel refused it: it is in a file
+    assert missing.value.errno == errno.ENODATA
     c, pc = sleeping_turn(cgroup2_manager, "task", "c")
     assert json.loads(os.getxattr(turn_dir(cgroup2_manager, c), XATTR))["turn_id"] == "c"
     states = {(i.turn, i.state) for i in cgroup2_manager.turns("task")}

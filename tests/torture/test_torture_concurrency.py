@@ -12,8 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cgturn import ids
-from cgturn.manager import TurnManager
+from cgturn import TurnManager, ids
 from conftest import alive, wait_until
 
 TURNS = 200
