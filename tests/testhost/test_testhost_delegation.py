@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from conftest import MOUNT, TEST_USER, last_json, pid_alive, run_in_unit, unit_name
+from hostlib import MOUNT, TEST_USER, last_json, pid_alive, run_in_unit, systemd_host, unit_name  # noqa: F401
 
-pytestmark = pytest.mark.testhost
+pytestmark = [pytest.mark.testhost, pytest.mark.usefixtures("systemd_host")]
 HERE = os.path.dirname(os.path.abspath(__file__))
 DELEGATED = ("Delegate=yes", "DelegateSubgroup=supervisor")
 

@@ -1,9 +1,10 @@
-"""Tests that need the test host: Debian 13 with systemd 257 as PID 1, pure cgroup v2 with nsdelegate.
+"""Helpers for the tests that need the test host: Debian 13, systemd 257 as PID 1, pure cgroup v2.
 
-They carry the `testhost` marker. On any other machine they are skipped with a reason naming the
-stage that runs them (`python3 scripts/testhost/run.py`, also run by .ci/run), so they are never lost
-silently. Inside the guest (scripts/testhost/guest.sh sets CGTURN_TESTHOST=1) they run, and a guest
-that is not what they need fails them instead of skipping.
+Those tests carry the `testhost` marker: tests/conftest.py skips them elsewhere with a reason naming
+the stage that runs them (`python3 scripts/testhost/run.py`, part of .ci/run). Inside the guest
+(scripts/testhost/guest.sh sets CGTURN_TESTHOST=1) they run, and the `systemd_host` fixture fails them
+(never skips) when the guest is not what they were written for. (A module, not a conftest.py: a
+second conftest module would shadow tests/conftest.py for `from conftest import ...`.)
 
 Helpers here start transient systemd units; every unit name contains `cgturn-test` and every unit is
 stopped and collected at teardown.
@@ -13,29 +14,20 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import uuid
 
 import pytest
 
-IN_TESTHOST = os.environ.get("CGTURN_TESTHOST") == "1"
-SKIP_REASON = ("needs systemd as PID 1 on pure cgroup v2: runs in the test-host stage "
-               "(python3 scripts/testhost/run.py, part of .ci/run)")
 SHARE = os.environ.get("PYTHONPATH", "").split(":")[0] or os.getcwd()
 MOUNT = "/sys/fs/cgroup"
 TEST_USER = "cgtest"
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def pytest_runtest_setup(item):
-    if item.get_closest_marker("testhost") is not None and not IN_TESTHOST:
-        pytest.skip(SKIP_REASON)
-
-
-@pytest.fixture(autouse=True)
-def _systemd_host(request):
-    """Inside the guest: fail (not skip) unless this really is the host the tests were written for."""
-    if not IN_TESTHOST or request.node.get_closest_marker("testhost") is None:
-        return
+@pytest.fixture
+def systemd_host():
+    """Fail (not skip) unless this really is the host the tests were written for."""
     with open("/proc/1/comm") as f:
         assert f.read().strip() == "systemd", "PID 1 is not systemd"
     with open("/proc/self/mounts") as f:
@@ -99,6 +91,18 @@ def unit_cgroup(unit: str, user: str | None = None) -> str:
     out = systemctl("show", "--property=ControlGroup", "--value", unit, user=user).stdout.strip()
     assert out, f"{unit} has no control group"
     return MOUNT + out
+
+
+def wait_value(fn, timeout: float):
+    """Call `fn` until it returns something truthy (returned) or the deadline passes (None)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
 
 
 def pid_alive(pid: int) -> bool:
