@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.build_only:
         return 0
 
-    pytest_args = [] if args.no_tests else (args.pytest_args or ["tests/testhost"])
+    pytest_args = [] if args.no_tests else (args.pytest_args or ["-v", "tests/testhost"])
     if args.no_tests and not args.bench:
         log("nothing to run (--no-tests without --bench)")
         return 2

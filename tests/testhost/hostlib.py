@@ -44,7 +44,10 @@ def systemctl(*args: str, check: bool = True, user: str | None = None) -> subpro
     argv = ["systemctl", *args]
     if user:
         argv = user_argv(user, argv)
-    return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=120)
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    if check and res.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} exited {res.returncode}: {res.stderr.strip()}")
+    return res
 
 
 def user_argv(user: str, argv: list[str]) -> list[str]:
