@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import subprocess
 import sys
 
 import pytest
 
-from hostlib import MOUNT, TEST_USER, last_json, pid_alive, run_in_unit, systemd_host, unit_name  # noqa: F401
+from hostlib import (MOUNT, TEST_USER, last_json, pid_alive, run_in_unit, systemctl, systemd_host,  # noqa: F401
+                     unit_name, wait_value)
 
 pytestmark = [pytest.mark.testhost, pytest.mark.usefixtures("systemd_host")]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -69,4 +71,38 @@ def test_abandon_in_a_delegated_subtree_kills_a_setsid_daemon(user):
     assert out["daemon"] in out["killed"]
     assert out["daemon_gone"] is True
     assert out["daemon_cgroup_gone"] is True
+    assert not pid_alive(out["daemon"])
+
+
+@pytest.fixture
+def user_manager():
+    """The test user's own systemd manager (user@UID.service), started by lingering; stopped after."""
+    uid = pwd.getpwnam(TEST_USER).pw_uid
+    subprocess.run(["loginctl", "enable-linger", TEST_USER], check=True, capture_output=True, timeout=60)
+
+    def up() -> bool:
+        active = systemctl("is-active", f"user@{uid}.service", check=False).stdout.strip() == "active"
+        return active and os.path.exists(f"/run/user/{uid}/bus")
+
+    assert wait_value(up, 120), systemctl("status", "--no-pager", f"user@{uid}.service", check=False).stdout
+    yield uid
+    subprocess.run(["loginctl", "disable-linger", TEST_USER], capture_output=True, timeout=60)
+    systemctl("stop", f"user@{uid}.service", check=False)
+
+
+def test_abandon_in_a_user_managers_delegated_service(user_manager):
+    # The unprivileged path without root's help: the user's manager (systemd --user, itself
+    # delegated by user@.service) delegates a subtree of its own to one of its services.
+    uid = user_manager
+    name = unit_name()
+    unit_dir = f"/user.slice/user-{uid}.slice/user@{uid}.service/app.slice/{name}.service"
+    res = run_in_unit([sys.executable, os.path.join(HERE, "turn_scenario.py"), f"/run/user/{uid}/{name}"],
+                      props=DELEGATED + (f"RuntimeDirectory={name}",), name=name, user_manager=TEST_USER)
+    assert res.returncode == 0, res.stderr
+    out = last_json(res.stdout)
+    assert out["uid"] == uid
+    assert out["own_cgroup"] == f"{unit_dir}/supervisor"
+    assert out["daemon_cgroup"].startswith(f"{unit_dir}/turns/"), out
+    assert out["daemon"] in out["killed"]
+    assert out["daemon_gone"] is True
     assert not pid_alive(out["daemon"])
