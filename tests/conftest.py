@@ -30,6 +30,13 @@ launch_escaper = _escapers.launch
 explain_escaper = _escapers.explain
 
 
+def pytest_runtest_setup(item):
+    # Tests marked `testhost` need systemd as PID 1 on pure cgroup v2 (tests/testhost/hostlib.py).
+    if item.get_closest_marker("testhost") and os.environ.get("CGTURN_TESTHOST") != "1":
+        pytest.skip("needs systemd as PID 1 on pure cgroup v2: runs in the test-host stage "
+                    "(python3 scripts/testhost/run.py, part of .ci/run)")
+
+
 def wait_until(predicate, timeout: float = 5.0, interval: float = 0.005) -> bool:
     """Poll `predicate` until true or the deadline passes (tests bound every wait this way)."""
     deadline = time.monotonic() + timeout

@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""Run tests from this checkout on the test host: Debian 13 with systemd 257 as PID 1, pure cgroup v2.
+
+    python3 scripts/testhost/run.py [options] [-- pytest args]     (default pytest args: tests/testhost)
+
+Builds the image when its recipe changed (scripts/testhost/image.py; cached under
+/var/cache/cgturn-testhost), copies the checkout to a scratch directory shared with the guest over 9p,
+boots the guest's own kernel with QEMU (`snapshot=on`: every run starts from the pristine image),
+lets scripts/testhost/guest.sh run pytest there with CGTURN_TESTHOST=1, and brings back the pytest
+log, junit XML, the guest's journal and pytest's exit status, which becomes this script's.
+KVM is tried first where /dev/kvm opens, under a short time limit; software emulation (TCG) otherwise.
+The whole guest runs under a hard deadline (--timeout), so a hang never outlives it.
+Exit status: pytest's inside the guest; 1 when the image cannot be built or the guest reports nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import image  # noqa: E402  (this directory's module, not a package)
+
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+JOB_STARTED = b"cgturn-testhost: job started"
+# A working KVM guest reaches the job in seconds; a broken one (e.g. a paravirtual /dev/kvm on which
+# QEMU aborts on an MSR or the guest hits emulation failures) must not cost more than this.
+KVM_BOOT_LIMIT = 25.0
+KVM_RUN_LIMIT = 300.0
+KERNEL_ARGS = ("root=/dev/vda rw console=ttyS0 panic=-1 quiet loglevel=3 systemd.show_status=false "
+               "rd.udev.log_level=3 udev.log_level=3 mitigations=off")
+
+
+def log(msg: str) -> None:
+    print(f"testhost: {msg}", file=sys.stderr, flush=True)
+
+
+def checkout_files(src: str) -> list[str]:
+    """Files of the checkout as git sees them (tracked + untracked, not ignored); all files without git."""
+    try:
+        out = subprocess.run(["git", "-C", src, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                             check=True, capture_output=True).stdout
+        return [p for p in out.decode().split("\0") if p and os.path.isfile(os.path.join(src, p))]
+    except (OSError, subprocess.CalledProcessError):
+        files = []
+        for d, dirs, names in os.walk(src):
+            dirs[:] = [x for x in dirs if x not in (".git", "__pycache__")]
+            files += [os.path.relpath(os.path.join(d, n), src) for n in names]
+        return files
+
+
+def make_share(pytest_args: list[str], bench: bool) -> str:
+    """A scratch copy of the checkout plus the job: the guest's root may write anywhere in it."""
+    share = tempfile.mkdtemp(prefix="cgturn-testhost-share-")
+    os.chmod(share, 0o755)  # the guest's unprivileged test user reads the checkout too
+    for rel in checkout_files(CHECKOUT):
+        dst = os.path.join(share, rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copy2(os.path.join(CHECKOUT, rel), dst)
+    job = os.path.join(share, ".testhost")
+    os.makedirs(os.path.join(job, "out"))
+    if pytest_args:
+        with open(os.path.join(job, "pytest-args.sh"), "w") as f:
+            f.write("set -- " + " ".join(shlex.quote(a) for a in pytest_args) + "\n")
+    if bench:
+        open(os.path.join(job, "bench"), "w").close()
+    return share
+
+
+def qemu_argv(img: image.Image, share: str, accel: str, memory_mb: int, cpus: int) -> list[str]:
+    cpu = "host" if accel == "kvm" else "max"
+    accel_opt = "kvm" if accel == "kvm" else "tcg,thread=multi"
+    return [
+        "qemu-system-x86_64", "-accel", accel_opt, "-cpu", cpu, "-m", str(memory_mb), "-smp", str(cpus),
+        "-nodefaults", "-display", "none", "-serial", "stdio", "-no-reboot",
+        "-kernel", img.kernel, "-initrd", img.initrd, "-append", KERNEL_ARGS,
+        # snapshot=on: writes go to a temporary overlay, the cached image stays pristine.
+        "-drive", f"file={img.disk},format=raw,if=virtio,snapshot=on",
+        "-virtfs", f"local,path={share},mount_tag=share,security_model=none,id=share",
+    ]
+
+
+def boot(argv: list[str], console, deadline: float, boot_limit: float | None) -> tuple[str, int | None]:
+    """Run QEMU, echoing the guest console, until it exits or a limit passes (then kill it).
+
+    Returns (what happened, QEMU's exit code): "exited", "no-boot" (boot_limit passed before the job
+    started) or "timeout".
+    """
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    seen_job = False
+    buf = b""
+    try:
+        while True:
+            now = time.monotonic()
+            limit = deadline if seen_job or boot_limit is None else min(deadline, started + boot_limit)
+            if now >= limit:
+                return ("timeout" if seen_job or boot_limit is None else "no-boot"), None
+            ready, _, _ = select.select([proc.stdout], [], [], min(1.0, limit - now))
+            if not ready:
+                continue
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            if not chunk:
+                return "exited", proc.wait()
+            console.write(chunk)
+            console.flush()
+            sys.stdout.buffer.write(chunk.replace(b"\r", b""))
+            sys.stdout.flush()
+            buf = (buf + chunk)[-4096:]
+            if not seen_job and JOB_STARTED in buf:
+                seen_job = True
+                log(f"guest job started {time.monotonic() - started:.0f} s after boot")
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # the QEMU process this function started, by its own handle
+        proc.wait()
+
+
+def kvm_usable() -> bool:
+    try:
+        fd = os.open("/dev/kvm", os.O_RDWR)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+def reset_out(share: str) -> None:
+    out = os.path.join(share, ".testhost", "out")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--accel", choices=("auto", "kvm", "tcg"), default=os.environ.get("CGTURN_TESTHOST_ACCEL", "auto"))
+    p.add_argument("--timeout", type=float, default=900.0, help="hard limit for the guest, seconds (default 900)")
+    p.add_argument("--results", help="directory for pytest.log, junit.xml, journal.txt, console.log "
+                   "(default: a new directory under $TMPDIR)")
+    p.add_argument("--bench", action="store_true", help="also run scripts/testhost/bench_systemd_run.py")
+    p.add_argument("--no-tests", action="store_true", help="run no pytest (e.g. only --bench)")
+    p.add_argument("--build-only", action="store_true", help="build the image if needed, boot nothing")
+    p.add_argument("--rebuild", action="store_true", help="build the image even if a cached one exists")
+    p.add_argument("--memory", type=int, default=2048, help="guest memory, MiB")
+    p.add_argument("--cpus", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("pytest_args", nargs="*", help="after --: pytest arguments (default: tests/testhost)")
+    args = p.parse_args(argv)
+
+    t0 = time.monotonic()
+    try:
+        img = image.build(force=args.rebuild)
+    except image.BuildError as e:
+        log(f"cannot build the image: {e}")
+        return 1
+    log(f"image {img.directory} ready after {time.monotonic() - t0:.0f} s")
+    if args.build_only:
+        return 0
+
+    pytest_args = [] if args.no_tests else (args.pytest_args or ["-v", "tests/testhost"])
+    if args.no_tests and not args.bench:
+        log("nothing to run (--no-tests without --bench)")
+        return 2
+    share = make_share(pytest_args, args.bench)
+    results = args.results or tempfile.mkdtemp(prefix="cgturn-testhost-results-")
+    os.makedirs(results, exist_ok=True)
+    try:
+        with open(os.path.join(results, "console.log"), "wb") as console:
+            deadline = time.monotonic() + args.timeout
+            outcome, accel = None, None
+            if args.accel in ("auto", "kvm") and kvm_usable():
+                log("trying KVM")
+                outcome, code = boot(qemu_argv(img, share, "kvm", args.memory, args.cpus), console,
+                                     min(deadline, time.monotonic() + KVM_RUN_LIMIT), KVM_BOOT_LIMIT)
+                accel = "kvm"
+                if not os.path.exists(os.path.join(share, ".testhost", "out", "status")):
+                    log(f"KVM did not run the job ({outcome}, qemu exit {code}): software emulation (TCG)")
+                    if args.accel == "kvm":
+                        return 1
+                    outcome = None
+                    reset_out(share)
+            if outcome is None:
+                accel = "tcg"
+                log("booting under TCG")
+                outcome, code = boot(qemu_argv(img, share, "tcg", args.memory, args.cpus), console, deadline,
+                                     None)
+        out = os.path.join(share, ".testhost", "out")
+        for name in os.listdir(out):
+            shutil.copy2(os.path.join(out, name), os.path.join(results, name))
+        status_file = os.path.join(out, "status")
+        elapsed = time.monotonic() - t0
+        if outcome == "timeout":
+            log(f"guest killed after --timeout {args.timeout:.0f} s ({accel}); results in {results}")
+            return 1
+        if not os.path.exists(status_file):
+            log(f"the guest reported no status ({accel}, qemu exit {code}); console in {results}/console.log")
+            return 1
+        with open(status_file) as f:
+            status = int(f.read().strip() or 1)
+        log(f"pytest in the guest exited {status} ({accel}, {elapsed:.0f} s in all); results in {results}")
+        return status
+    finally:
+        shutil.rmtree(share, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
