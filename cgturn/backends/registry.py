@@ -167,10 +167,7 @@ class RegistryBackend(Backend):
     def spawn(self, record, argv, popen_kwargs) -> subprocess.Popen:
         argv, program, kwargs = prepare_spawn(argv, popen_kwargs)
         kwargs = with_environment(kwargs, self.env_for(record))
-        current = self.load(record.task_key, record.turn_key)
-        if current is None or current.state != RUNNING:
-            # An abandon racing this check still finds the process: its kill re-collects members
-            # until the turn is empty.
+        if not self._running(record):
             raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} is not running; cannot spawn")
         with SPAWN_LOCK:
             proc = subprocess.Popen([program, *argv[1:]], **kwargs)
@@ -181,7 +178,18 @@ class RegistryBackend(Backend):
             self._record_process(record, proc.pid, started, argv)
         if self._reaper is not None:
             self._reaper.nudge()  # orphans may come from now on: look often
+        # Checked again once recorded: an abandon marks the turn before it collects members, so
+        # either it found this process by its record, or its mark is seen here. (Between fork and
+        # exec the child shows the parent's environment, so the kill's scan alone can miss it.)
+        if not self._running(record):
+            proc.kill()
+            proc.wait()
+            raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} ended while spawning")
         return proc
+
+    def _running(self, record: TurnRecord) -> bool:
+        current = self.load(record.task_key, record.turn_key)
+        return current is not None and current.state == RUNNING
 
     def adopt(self, record, pid) -> None:
         self._ensure_reaper()
