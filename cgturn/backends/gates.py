@@ -2,18 +2,15 @@
 it into its turn, so the target cannot run one instruction outside the turn and the parent never
 waits for the shim to start.
 
-The shim opens the parent's read end by path, `/proc/<parent>/fd/<n>` (`read go < "$0"`), so it
-inherits no extra fd and the target's fd table is exactly the one Popen makes. Opening a pipe through
-/proc never waits for a writer (fs/pipe.c: fifo_open only waits when the inode is not a pipe), and the
-parent holds the only write end: when the parent dies, the shim either finds no such fd (the path is
-gone with the parent's fd table) or reads EOF, and exits 125 without running the target. A shim can
-never be left waiting for a parent that is gone. (A named FIFO cannot give that: opening one for
-reading blocks until a writer appears, forever if the writer died first.)
-
-Opening another process's fd through /proc needs ptrace read access to it (kernel/procfd.py): a
-child has it unless the parent is not dumpable (it changed its uid or gid). Then, and only then, the
-read end is passed to the shim instead (`pass_fds`, opened as /proc/self/fd/<n>), and the target
-inherits that one drained fd: dash cannot close an fd above 9.
+The shim inherits the pipe's read end (`pass_fds`) and reads it as `/proc/self/fd/<n>`
+(`read go < "$0"`). Opening a pipe through /proc never waits for a writer (fs/pipe.c: fifo_open only
+waits when the inode is not a pipe), and the parent holds the only write end: when the parent dies
+before writing "go", the shim reads EOF and exits 125 without running the target, so a shim can never
+be left waiting for a parent that is gone. (A named FIFO cannot give that: opening one for reading
+blocks until a writer appears, forever if the writer died first.) Once "go" is written it stays in
+the pipe, so a parent that exits right after `spawn` returns does not stop the target. The shim holds
+its own read end for the same reason: a gate opened through the parent's /proc fd table would vanish
+with the parent. The price: the target inherits that one drained fd (dash cannot close an fd above 9).
 
 After "go" is written the parent closes its write end; it closes the read end once the shim has read
 the line (FIONREAD says the pipe is empty) or has exited. A forked child closes its copies at once
@@ -43,7 +40,7 @@ class Gate:
     path: str                # what the shim opens
     rfd: int                 # the parent's read end (the shim opens it through /proc)
     wfd: int                 # the parent's write end, closed once "go" is written
-    pass_fds: tuple = ()     # fds the shim must inherit (only when the parent is not dumpable)
+    pass_fds: tuple = ()     # fds the shim must inherit: its read end
     pid: int | None = None   # the shim it was released to
 
 
@@ -59,8 +56,6 @@ class SpawnGates:
         """A fresh gate for one spawn; `path` goes to the shim, `pass_fds` to Popen."""
         self.sweep()
         rfd, wfd = os.pipe()  # O_CLOEXEC: no other child inherits it
-        if procfd.children_can_open_our_fds():
-            return Gate(procfd.parent_fd_path(rfd), rfd, wfd)
         return Gate(procfd.inherited_fd_path(rfd), rfd, wfd, pass_fds=(rfd,))
 
     def release(self, gate: Gate, pid: int) -> None:
