@@ -25,6 +25,9 @@ completed turns are not guarded, so their survivors stay. It exits when it guard
 owner's channel is closed.
 
 This module is both the owner-side client (`attach`, `SentinelClient`) and the process (`main`).
+
+Why one module of ~500 lines: the client and the process speak one message protocol (guard, touch,
+unguard, ready), kept side by side so that neither can drift from the other.
 """
 from __future__ import annotations
 

@@ -12,6 +12,9 @@ is unsafe with threads.
 Kill: cgroup.kill (5.14+) SIGKILLs the subtree and, via a flag checked in cgroup_post_fork, whatever is
 forked during the kill. Where it is missing or refused, freeze -> enumerate -> SIGKILL -> thaw, repeated
 until the subtree is empty (what runc does).
+
+Why one module of ~400 lines: owning, spawning and killing share the turn-directory guards and the
+membership checks that make each race-free; the listing hot path lives in cgroup2_views.py.
 """
 from __future__ import annotations
 
