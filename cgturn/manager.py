@@ -12,7 +12,7 @@ import os
 import time
 from typing import Iterable
 
-from . import ids, killing, listing, reasons, recovery
+from . import ids, listing, reasons
 from .backends.base import Backend
 from .errors import AccessDenied, NoSuchProcess, NoSuchTurn, UnsafeOperation
 from .host import choose_backend, discover_host, wanted_backend
@@ -229,9 +229,12 @@ class TurnManager:
 
     # --- recovery ---------------------------------------------------------------------------------
 
-    def recover(self) -> list[recovery.RecoveryAction]:
+    def recover(self) -> list:
         """Crash recovery: abandon running turns whose owner is gone, finish interrupted kills, kill
-        turns without a trustworthy record, remove completed turns with nothing left."""
+        turns without a trustworthy record, kill processes that left their turn, remove completed
+        turns with nothing left. Returns `cgturn.RecoveryAction`s."""
+        from . import recovery  # loaded by the processes that recover, not by every listing
+
         return recovery.recover(self)
 
     reap = recover  # the name `cgturn reap` and earlier versions use
@@ -286,10 +289,14 @@ class TurnManager:
         if not won or rec is None:
             return AbandonResult(skipped=True, reason=(rec.reason if rec else None) or reason)
         self.events.emit("turn_ended", task_key, turn_key)
+        from . import killing
+
         return killing.kill_turn(self.backend, rec, reason, grace, self.state_dir)
 
     def finish_kill(self, rec: TurnRecord) -> AbandonResult:
         """Kill a turn already marked abandoned whose killer died midway."""
+        from . import killing
+
         return killing.kill_turn(self.backend, rec, rec.reason or reasons.UNKNOWN, 0.0, self.state_dir)
 
     def adopt_into(self, rec: TurnRecord, pid: int) -> None:

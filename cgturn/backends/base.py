@@ -9,11 +9,12 @@ from __future__ import annotations
 import abc
 import errno
 import os
-import shutil
-import subprocess
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from ..model import TurnRecord, TurnView
+
+if TYPE_CHECKING:
+    import subprocess
 
 ENV_TASK = "CGTURN_TASK"
 ENV_TURN = "CGTURN_TURN"
@@ -245,6 +246,8 @@ def resolve_program(program: str, path: str, cwd=None) -> str:
         if os.path.isdir(candidate) or not os.access(candidate, os.X_OK):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), program)
         return candidate
+    import shutil
+
     found = shutil.which(program, path=path)
     if found is None:
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)

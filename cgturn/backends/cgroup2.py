@@ -21,9 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
 import threading
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from ..errors import AccessDenied, NoSuchTurn, TurnExists, UnsafeOperation
 from ..kernel import procfs
@@ -32,8 +31,12 @@ from ..kernel.discovery import own_cgroup_dir
 from ..model import COMPLETED, CORRUPT, RUNNING, TurnRecord, TurnView
 from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag
 from . import cgroup2_views
-from .gates import SpawnGates
 from .metadata import XATTR_KEY, MetadataStore
+
+if TYPE_CHECKING:
+    import subprocess
+
+    from .gates import SpawnGates
 
 log = logging.getLogger("cgturn")
 
@@ -60,16 +63,18 @@ class Cgroup2Backend(Backend):
         # switched off on the first refusal (trio-style capability flag); tests set it to force the
         # freeze fallback.
         self.cgroup_kill_works = cgroup_kill is not False
-        self._gates: SpawnGates | None = None
+        self._gates = None
         self._gates_lock = threading.Lock()
         self._home: str | None = None  # where the caller was before its first enter()
 
     @property
-    def gates(self) -> SpawnGates:
+    def gates(self) -> "SpawnGates":
         """The spawn gates, made on the first spawn."""
         if self._gates is None:
             with self._gates_lock:  # threads spawning at once must share one set of gates
                 if self._gates is None:
+                    from .gates import SpawnGates  # what spawns needs, a listing does not
+
                     self._gates = SpawnGates()
         return self._gates
 
@@ -153,7 +158,9 @@ class Cgroup2Backend(Backend):
 
     # --- membership -------------------------------------------------------------------------------
 
-    def spawn(self, record, argv, popen_kwargs) -> subprocess.Popen:
+    def spawn(self, record, argv, popen_kwargs) -> "subprocess.Popen":
+        import subprocess
+
         argv, program, kwargs = prepare_spawn(argv, popen_kwargs)
         gate = self.gates.open()
         shim = ["/bin/sh", "-c", SPAWN_SHIM, gate.path, record.task_key, record.turn_key, self.scope]
@@ -183,7 +190,7 @@ class Cgroup2Backend(Backend):
         self.gates.release(gate, proc.pid)
         return proc
 
-    def _abort_spawn(self, gate, proc: subprocess.Popen) -> None:
+    def _abort_spawn(self, gate, proc: "subprocess.Popen") -> None:
         """Close the gate without "go" (the shim reads EOF and exits 125 without running the target)."""
         self.gates.discard(gate)
         proc.kill()

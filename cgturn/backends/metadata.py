@@ -27,7 +27,6 @@ and killed by any abandon — never as the turn it names.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -69,6 +68,8 @@ class MetadataStore:
         if len(turn) > _FILE_STEM_MAX:
             # A turn name may take all of NAME_MAX (255 bytes): "<name>.json.<pid>.tmp" would not fit.
             # Shortened names always contain "~", which names of this length never do: no clash.
+            import hashlib
+
             turn = f"{turn[:_FILE_STEM_MAX - 65]}~{hashlib.sha256(turn.encode()).hexdigest()}"
         return os.path.join(self.state_dir, "meta", os.path.basename(task), turn + ".json")
 

@@ -81,8 +81,8 @@ def _host(address: str) -> str:
 
 
 def run(args) -> int:
-    rows = snapshot(args)
     with common.make_manager(args) as manager:
+        rows = snapshot(args, manager)
         for where, pid in manager.strays():
             print(f"cgturn: warning: process {pid} ({where}) is in no turn: it left its turn; "
                   "`cgturn reap` kills it", file=sys.stderr)
