@@ -19,7 +19,8 @@ _EXPORTS = {
     "ABANDONED": "model", "CORRUPT": "model",
     "CgturnError": "errors", "CgroupUnavailable": "errors", "PermissionDenied": "errors", "TurnExists": "errors",
     "NoSuchTurn": "errors", "UnsafeOperation": "errors", "KernelError": "errors", "NoSuchProcess": "errors",
-    "AccessDenied": "errors", "RegistryUnavailable": "errors",
+    "AccessDenied": "errors", "RegistryUnavailable": "errors", "LimitsUnavailable": "errors",
+    "Limits": "limits", "Usage": "limits",
     "RecoveryAction": "recovery",
     "HostInfo": "host", "discover_host": "host", "choose_backend": "host", "doctor_report": "host",
     "ProcessInfo": "processes",
@@ -28,7 +29,7 @@ _EXPORTS = {
     "attach_sentinel": "sentinel",
 }
 # submodules faces may use through the package: the vocabulary and plain helpers
-_SUBMODULES = ("reasons", "processes", "audit", "ids", "errors", "model")
+_SUBMODULES = ("reasons", "processes", "audit", "ids", "errors", "model", "limits")
 
 __all__ = sorted(_EXPORTS)
 
@@ -48,8 +49,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from .errors import (AccessDenied, CgroupUnavailable, CgturnError, KernelError, NoSuchProcess, NoSuchTurn,
-                         PermissionDenied, RegistryUnavailable, TurnExists, UnsafeOperation)
+    from .errors import (AccessDenied, CgroupUnavailable, CgturnError, KernelError, LimitsUnavailable,
+                         NoSuchProcess, NoSuchTurn, PermissionDenied, RegistryUnavailable, TurnExists,
+                         UnsafeOperation)
+    from .limits import Limits, Usage
     from .host import HostInfo, choose_backend, discover_host, doctor_report
     from .manager import TurnManager
     from .model import ABANDONED, COMPLETED, CORRUPT, RUNNING, AbandonResult, TurnInfo

@@ -49,6 +49,11 @@ class AccessDenied(PermissionDenied):
         super().__init__(message or f"not allowed to look at process {pid}")
 
 
+class LimitsUnavailable(CgturnError):
+    """A resource limit was asked for that this host (or backend) cannot enforce; nothing was created.
+    The message says which limit and why (no controller delegated, a v1-only or v2-only file, ...)."""
+
+
 class RegistryUnavailable(CgturnError):
     """The registry database cannot be opened or written (permissions, corrupt file, full disk)."""
 

@@ -1,0 +1,161 @@
+"""Resource limits and the figures a turn leaves behind: plain values, validated here, no I/O.
+
+`Limits` says what a turn, a task or the managed root may use; `Usage` says what a turn used and which
+limits the kernel enforced on it. The kernel layer maps these onto controller files (cgroup v2, or
+the v1 hierarchies of a hybrid host); this module knows nothing of files.
+
+Values: bytes (int), pids (int >= 1), cores (float > 0), weight (int 1-10000), or "max" (explicitly
+unlimited: removes a limit). None means "not set" at creation and "unchanged" in `set_limits`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+
+UNLIMITED = "max"
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)([kmgt]?)", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "t": 1024 ** 4}
+MAX_WEIGHT = 10000
+
+
+def parse_size(text: str) -> int | str:
+    """`12`, `1.5G`, `512m`, `max` -> bytes (powers of 1024, rounded down) or "max".
+
+    Raises ValueError with the rule for anything else (`12Q`, `-1`, `1.5.3G`, empty).
+    """
+    value = text.strip()
+    if value.lower() == UNLIMITED:
+        return UNLIMITED
+    match = _SIZE.fullmatch(value)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (a number with an optional K, M, G or T, or 'max')")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_pids(text: str) -> int | str:
+    """`50` or `max`; ValueError for anything below 1 or not a whole number."""
+    value = text.strip()
+    if value.lower() == UNLIMITED:
+        return UNLIMITED
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"not a process count: {text!r} (a whole number >= 1, or 'max')")
+    return int(value)
+
+
+def parse_cpus(text: str) -> float | str:
+    """`1.5` (cores) or `max`; ValueError for anything not > 0."""
+    value = text.strip()
+    if value.lower() == UNLIMITED:
+        return UNLIMITED
+    try:
+        cores = float(value)
+    except ValueError:
+        raise ValueError(f"not a number of cores: {text!r} (e.g. 0.5, 2, or 'max')") from None
+    if not (cores > 0 and math.isfinite(cores)):
+        raise ValueError(f"not a number of cores: {text!r} (must be > 0)")
+    return cores
+
+
+def parse_weight(text: str) -> int:
+    """A CPU weight, 1-10000 (100 is the kernel's default)."""
+    value = text.strip()
+    if not value.isdigit() or not 1 <= int(value) <= MAX_WEIGHT:
+        raise ValueError(f"not a cpu weight: {text!r} (a whole number from 1 to {MAX_WEIGHT})")
+    return int(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a turn, a task or the managed root may use.
+
+    Args:
+        memory_max: hard memory limit in bytes; the kernel reclaims, then OOM-kills (v2 memory.max,
+            v1 memory.limit_in_bytes). Lowering it below current use follows the same rule.
+        memory_high: throttling threshold in bytes (v2 memory.high; not available on v1).
+        swap_max: swap the turn may use on top of memory (v2 memory.swap.max; v1 needs memory_max
+            and sets memory.memsw.limit_in_bytes = memory_max + swap_max).
+        pids_max: processes and threads at once (pids.max): fork fails beyond it.
+        cpus: CPU time as a number of cores, e.g. 1.5 (v2 cpu.max; v1 CFS quota/period).
+        cpu_weight: relative share under contention, 1-10000, 100 = default (v2 cpu.weight; v1
+            cpu.shares, where 100 maps to 1024).
+        oom_group: on OOM kill the whole turn rather than one process (v2 memory.oom.group). None:
+            the layout's default (v2: True). v1 has no group kill: True raises LimitsUnavailable.
+    """
+
+    memory_max: int | str | None = None
+    memory_high: int | str | None = None
+    swap_max: int | str | None = None
+    pids_max: int | str | None = None
+    cpus: float | str | None = None
+    cpu_weight: int | None = None
+    oom_group: bool | None = None
+
+    def __post_init__(self):
+        for name in ("memory_max", "memory_high", "swap_max"):
+            _check(name, getattr(self, name), minimum=0)
+        _check("pids_max", self.pids_max, minimum=1)
+        if self.cpus is not None and self.cpus != UNLIMITED:
+            if isinstance(self.cpus, bool) or not isinstance(self.cpus, (int, float)) \
+                    or not (self.cpus > 0 and math.isfinite(self.cpus)):
+                raise ValueError(f"cpus must be a number of cores > 0 or 'max', not {self.cpus!r}")
+        if self.cpu_weight is not None and (isinstance(self.cpu_weight, bool) or not isinstance(self.cpu_weight, int)
+                                            or not 1 <= self.cpu_weight <= MAX_WEIGHT):
+            raise ValueError(f"cpu_weight must be a whole number from 1 to {MAX_WEIGHT}, not {self.cpu_weight!r}")
+        if self.oom_group is not None and not isinstance(self.oom_group, bool):
+            raise ValueError(f"oom_group must be True, False or None, not {self.oom_group!r}")
+        high, top = self.memory_high, self.memory_max
+        if isinstance(high, int) and isinstance(top, int) and high > top:
+            raise ValueError(f"memory_high ({high}) must not exceed memory_max ({top})")
+
+    def is_empty(self) -> bool:
+        """True when nothing is set (every field None)."""
+        return all(getattr(self, f.name) is None for f in dataclasses.fields(self))
+
+    def merged(self, changes: "Limits") -> "Limits":
+        """These limits with every field `changes` sets (None leaves a field unchanged)."""
+        updates = {f.name: getattr(changes, f.name) for f in dataclasses.fields(changes)
+                   if getattr(changes, f.name) is not None}
+        return dataclasses.replace(self, **updates)
+
+    def to_json(self) -> dict:
+        """The limits as `ps --json` and `cgturn limits --json` show them: null = no limit."""
+        return {f.name: (None if getattr(self, f.name) == UNLIMITED else getattr(self, f.name))
+                for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Limits":
+        """Limits stored by `to_stored` (unknown keys ignored); ValueError if a value is invalid."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def to_stored(self) -> dict:
+        """Only the fields that are set, "max" kept (what a turn's record holds)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
+def _check(name: str, value, minimum: int) -> None:
+    if value is None or value == UNLIMITED:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be a whole number >= {minimum} or 'max', not {value!r}")
+
+
+@dataclass(slots=True)
+class Usage:
+    """What a turn used, and which limits the kernel enforced on it (counters are the turn's own
+    cgroup's; hierarchical where the kernel makes them so).
+
+    `memory_peak_bytes` and `cpu_throttled_seconds` are None where the kernel does not report them
+    (no memory or cpu controller on the turn).
+    """
+
+    oom_kills: int = 0
+    pids_max_hits: int = 0
+    memory_peak_bytes: int | None = None
+    cpu_seconds: float = 0.0
+    cpu_throttled_seconds: float | None = None
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
