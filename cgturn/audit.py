@@ -37,8 +37,23 @@ def record_kill(state_dir: str, *, task: str, turn: str, reason: str, pids: list
         "backend": backend,
         "by_pid": os.getpid(),
     }
+    _append(state_dir, entry)
+    return entry
+
+
+def record_limit(state_dir: str, *, task: str, turn: str, reason: str, count: int, limit: int | str | None,
+                 backend: str) -> dict:
+    """Write one `limit` record: the kernel enforced a limit on the turn `count` more times (reason
+    `oom`: processes OOM-killed; `pids-max`: forks refused). No pids, no signals: not a kill."""
+    entry = {"time": time.time(), "action": "limit", "task": task, "turn": turn, "reason": reason,
+             "count": count, "limit": limit, "backend": backend, "by_pid": os.getpid()}
+    _append(state_dir, entry)
+    return entry
+
+
+def _append(state_dir: str, entry: dict) -> None:
     line = json.dumps(entry, ensure_ascii=False)
-    log.info(line)
+    log.info(line, extra={"cgturn": entry})
     path = audit_path(state_dir)
     try:
         os.makedirs(state_dir, exist_ok=True)
@@ -50,7 +65,6 @@ def record_kill(state_dir: str, *, task: str, turn: str, reason: str, pids: list
             os.close(fd)
     except OSError as err:
         log.warning("cannot append to %s: %s", path, err.strerror or err)
-    return entry
 
 
 def read_records(state_dir: str) -> list[dict]:

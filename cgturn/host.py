@@ -77,9 +77,14 @@ def doctor_report(root: str | None = None, backend: str | None = None) -> dict:
     host = discover_host(root)
     wanted = wanted_backend(backend)
     problems = list(host.problems)
+    limits = {"layout": None, "available": [], "problems": ["cgroup v2 is not usable: no limits"]}
     try:
         name = backend_name(host, wanted)
         usable = True
+        if name == "cgroup2":
+            limits = choose_backend(host, wanted, "/nonexistent").limits_report()  # creates nothing
+        else:
+            limits["problems"] = ["the registry backend cannot enforce limits (they need cgroups)"]
     except (ValueError, CgroupUnavailable):
         name, usable = "registry", False
         asked = "--backend cgroup2" if wanted == "cgroup2" else f"managed root {host.managed_root or root!r}"
@@ -94,4 +99,7 @@ def doctor_report(root: str | None = None, backend: str | None = None) -> dict:
         "writable": host.writable,
         "problems": problems,
         "usable": usable,
+        "limits": limits,
+        "spawn_paths": ["shim"],  # the gated /bin/sh shim (see docs/design.md#how-spawn-works)
+        "guard": None,            # no pressure guard armed (none exists in this version)
     }

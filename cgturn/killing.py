@@ -23,15 +23,19 @@ KILL_WAIT = 5.0
 KILL_ATTEMPTS = 3
 
 
-def kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, state_dir: str) -> AbandonResult:
+def kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, state_dir: str,
+              before_removal=None) -> AbandonResult:
     """Kill everything the turn at `rec`'s directory holds, remove it, audit it.
 
     `rec` must have been read from that directory (its keys are the directory's names).
+    `before_removal(task_key, turn_key, usage)` is called once the turn is empty, with what it used,
+    before its cgroup (and its counters) go.
     """
     started = time.monotonic()
     killed: set[int] = set()
     signals: list[str] = []
     empty = False
+    usage = None
     if grace > 0:
         hit = backend.signal_members(rec, signal.SIGTERM)
         if hit:
@@ -47,6 +51,8 @@ def kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, stat
             if hit and "SIGKILL" not in signals:
                 signals.append("SIGKILL")
             empty = backend.wait_empty(rec, KILL_WAIT)
+        if empty and usage is None:
+            usage = _final_usage(backend, rec, before_removal)
         if empty and backend.remove(rec):
             break
         empty = False  # something slipped in between the wait and the rmdir: go again
@@ -59,4 +65,16 @@ def kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, stat
         audit.record_kill(state_dir, task=rec.task_id, turn=rec.turn_id, reason=reason, pids=sorted(killed),
                           signals=signals, duration_ms=duration_ms, backend=backend.name)
     return AbandonResult(killed=sorted(killed), skipped=False, reason=reason, signals=signals,
-                         duration_ms=duration_ms)
+                         duration_ms=duration_ms, usage=usage)
+
+
+def _final_usage(backend: Backend, rec: TurnRecord, before_removal):
+    """What the emptied turn used (None if it cannot be read); hands it to `before_removal`."""
+    try:
+        usage = backend.turn_usage(rec)
+    except Exception:  # noqa: BLE001 - figures must never stop a kill
+        log.exception("could not read the usage of turn %r of task %r", rec.turn_id, rec.task_id)
+        return None
+    if before_removal is not None:
+        before_removal(rec.task_key, rec.turn_key, usage)
+    return usage

@@ -7,13 +7,18 @@ from __future__ import annotations
 import logging
 
 from .backends.base import Backend
+from .backends.cgroup2_limits import turn_limits
 from .model import TurnInfo
 
 log = logging.getLogger("cgturn")
 
 
-def list_turns(backend: Backend, task_key: str | None = None) -> list[TurnInfo]:
-    """Every existing turn (of one task), oldest first."""
+def list_turns(backend: Backend, task_key: str | None = None, detail: bool = False) -> list[TurnInfo]:
+    """Every existing turn (of one task), oldest first.
+
+    `detail` also reads every turn's usage figures, pressure and frozen state (what `cgturn ps`
+    shows); without it only turns with limits get their usage read (cheap listings for a dashboard).
+    """
     views = backend.views(task_key)
     if not views:
         return []
@@ -30,9 +35,17 @@ def list_turns(backend: Backend, task_key: str | None = None) -> list[TurnInfo]:
             ports = observe.ports_in_cgroups(index, view.cgroup_ids)
         else:
             ports = observe.ports_of_pids(view.pids)
-        out.append(TurnInfo(task=rec.task_id, turn=rec.turn_id, state=rec.state, pids=view.pids,
-                            owner_pid=rec.owner_pid, started_at=rec.started_at, reason=rec.reason or rec.problem,
-                            cpu_seconds=view.cpu_seconds, memory_bytes=mem, ports=ports, path=view.path))
+        info = TurnInfo(task=rec.task_id, turn=rec.turn_id, state=rec.state, pids=view.pids,
+                        owner_pid=rec.owner_pid, started_at=rec.started_at, reason=rec.reason or rec.problem,
+                        cpu_seconds=view.cpu_seconds, memory_bytes=mem, ports=ports, path=view.path)
+        if rec.limits:
+            info.limits = turn_limits(rec)
+        if detail or rec.limits or rec.v1_dirs:
+            info.usage = backend.turn_usage(rec)
+        if detail:
+            info.pressure = backend.turn_pressure(rec)
+            info.frozen = backend.turn_frozen(rec)
+        out.append(info)
     out.sort(key=lambda info: (info.started_at, info.task, info.turn))
     return out
 

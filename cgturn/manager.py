@@ -17,6 +17,7 @@ from .backends.base import Backend
 from .errors import AccessDenied, NoSuchProcess, NoSuchTurn, UnsafeOperation
 from .host import choose_backend, discover_host, wanted_backend
 from .kernel import procfs
+from .limits import Limits, Usage
 from .model import ABANDONED, COMPLETED, CORRUPT, RUNNING, AbandonResult, TurnInfo, TurnRecord
 from .turn import Turn, make_turn
 
@@ -128,12 +129,18 @@ class TurnManager:
 
     # --- turns ------------------------------------------------------------------------------------
 
-    def begin_turn(self, task_id: str, turn_id: str | None = None) -> Turn:
+    def begin_turn(self, task_id: str, turn_id: str | None = None, *, limits: Limits | None = None) -> Turn:
         """Start a turn owned by the calling process.
+
+        Args:
+            limits: what the turn may use (cgturn.Limits); its processes are inside them before
+                their target program runs. On cgroup v2 an OOM kills the whole turn unless
+                `oom_group=False`.
 
         Raises:
             ValueError: blank or invalid task/turn id.
             TurnExists: the turn id is taken (running, or completed with survivors).
+            LimitsUnavailable: a limit cannot be enforced here; nothing was created.
         """
         ids.validate(task_id, "task")
         turn_id = ids.new_turn_id() if turn_id is None else ids.validate(turn_id, "turn")
@@ -141,7 +148,7 @@ class TurnManager:
         record = TurnRecord(task_id=task_id, turn_id=turn_id, task_key=ids.encode(task_id),
                             turn_key=ids.encode(turn_id), state=RUNNING, owner_pid=me,
                             owner_start=procfs.start_time(me), started_at=time.time())
-        self.backend.create_turn(record)
+        self.backend.create_turn(record, limits)
         turn = make_turn(self, record)
         self.events.emit("turn_begun", turn)
         return turn
@@ -155,12 +162,93 @@ class TurnManager:
             raise NoSuchTurn(f"no turn {turn_id!r} in task {task_id!r}")
         return make_turn(self, record)
 
-    def turns(self, task_id: str | None = None) -> list[TurnInfo]:
+    def turns(self, task_id: str | None = None, *, detail: bool = False) -> list[TurnInfo]:
         """What `cgturn ps` shows: every existing turn (of one task), with its live processes.
-        A turn whose record cannot be trusted is listed with state "corrupt"."""
+        A turn whose record cannot be trusted is listed with state "corrupt". `detail` also reads
+        every turn's usage figures, pressure and frozen state (as `cgturn ps` does)."""
         if task_id is not None and not _valid(task_id):
             return []
-        return listing.list_turns(self.backend, None if task_id is None else ids.encode(task_id))
+        return listing.list_turns(self.backend, None if task_id is None else ids.encode(task_id), detail)
+
+    # --- limits ------------------------------------------------------------------------------------
+
+    def set_limits(self, limits: Limits) -> None:
+        """Set the budget of the managed root: all its turns together (None fields unchanged).
+
+        This is the budget that keeps the gateway and the host alive when no single turn is over its
+        own limit. Set only on cgroups cgturn created, never on the caller's own.
+        Raises LimitsUnavailable when a limit cannot be enforced here.
+        """
+        self.backend.set_root_limits(limits)
+
+    def limits(self) -> Limits:
+        """The managed root's own limits (empty when none)."""
+        return self.backend.root_limits()
+
+    def usage(self) -> Usage:
+        """What all turns together used, as the managed root's counters say."""
+        return self.backend.root_usage()
+
+    def set_task_limits(self, task_id: str, limits: Limits) -> None:
+        """Set the budget of a task: all its turns together (None fields unchanged). A task with
+        limits keeps its cgroup between turns, until `end_task`. Raises LimitsUnavailable."""
+        ids.validate(task_id, "task")
+        self.backend.set_task_limits(ids.encode(task_id), limits)
+
+    def task_limits(self, task_id: str) -> Limits:
+        """A task's own limits (empty when none)."""
+        ids.validate(task_id, "task")
+        return self.backend.task_limits(ids.encode(task_id))
+
+    def task_usage(self, task_id: str) -> Usage:
+        """What all turns of a task used together."""
+        ids.validate(task_id, "task")
+        return self.backend.task_usage(ids.encode(task_id))
+
+    def limits_report(self) -> dict:
+        """`{layout: "v2"|"v1-hybrid"|None, available: [...], problems: [...]}`: which limits this
+        managed root can have, through which layout, and why any cannot."""
+        return self.backend.limits_report()
+
+    def check_limits(self, task_key: str, turn_key: str, usage: Usage | None = None) -> list[dict]:
+        """Audit every limit event of a turn not audited yet (one `limit` record per counter
+        increase, whichever process notices first: the counters audited so far live on the turn's
+        record, changed under its lock). Returns the records written."""
+        from . import audit
+
+        rec = self.backend.load(task_key, turn_key)
+        if rec is None or rec.state == CORRUPT:
+            return []
+        usage = usage if usage is not None else self.backend.turn_usage(rec)
+        if usage.oom_kills <= rec.audited_oom_kills and usage.pids_max_hits <= rec.audited_pids_max_hits:
+            return []
+        won, before = self._note_limit_counters(rec, usage)
+        if not won or before is None:
+            return []
+        limits = turn_limits_of(before)
+        out = []
+        for reason, now, seen, limit in ((reasons.OOM, usage.oom_kills, before.audited_oom_kills, limits.memory_max),
+                                         (reasons.PIDS_MAX, usage.pids_max_hits, before.audited_pids_max_hits,
+                                          limits.pids_max)):
+            if now > seen:
+                out.append(audit.record_limit(self.state_dir, task=rec.task_id, turn=rec.turn_id, reason=reason,
+                                              count=now - seen, limit=limit, backend=self.backend.name))
+        return out
+
+    def _note_limit_counters(self, rec: TurnRecord, usage: Usage) -> tuple[bool, TurnRecord | None]:
+        """Raise the audited counters on the record under its lock; (won, the record before)."""
+        current = self.backend.load(rec.task_key, rec.turn_key)
+        if current is None:
+            return False, None
+        updates = {"audited_oom_kills": max(usage.oom_kills, current.audited_oom_kills),
+                   "audited_pids_max_hits": max(usage.pids_max_hits, current.audited_pids_max_hits)}
+        seen = (current.audited_oom_kills, current.audited_pids_max_hits)
+        won, after = self.backend.transition(
+            rec.task_key, rec.turn_key, {current.state}, current.state, updates,
+            when=lambda r: (r.audited_oom_kills, r.audited_pids_max_hits) == seen)
+        if not won or after is None:
+            return False, None  # another process audited these events first
+        return True, current
 
     def create_root(self) -> bool:
         """Create the managed root now (the first turn would); True if this call created it."""
@@ -191,7 +279,7 @@ class TurnManager:
             one = self.abandon_turn(rec.task_key, rec.turn_key, reason, grace=0.0, force=True)
             result.killed.extend(one.killed)
             result.signals = sorted(set(result.signals) | set(one.signals))
-        self.backend.remove_task(task_key)
+        self.backend.remove_task(task_key, force=True)  # its budget, if any, ends with it
         result.killed.sort()
         return result
 
@@ -271,6 +359,8 @@ class TurnManager:
         won, rec = self.backend.transition(task_key, turn_key, {RUNNING}, COMPLETED, {"ended_at": time.time()})
         if won and rec is not None:
             self.events.emit("turn_ended", task_key, turn_key)
+            if self.backend.wait_empty(rec, 0):
+                self._audit_limits_quietly(task_key, turn_key)  # its counters go with its cgroup
             if self.backend.wait_empty(rec, 0) and self.backend.remove(rec):
                 self.backend.remove_task(task_key)
         return won, rec
@@ -291,7 +381,8 @@ class TurnManager:
         self.events.emit("turn_ended", task_key, turn_key)
         from . import killing
 
-        return killing.kill_turn(self.backend, rec, reason, grace, self.state_dir)
+        return killing.kill_turn(self.backend, rec, reason, grace, self.state_dir,
+                                 before_removal=self._audit_limits_quietly)
 
     def finish_kill(self, rec: TurnRecord) -> AbandonResult:
         """Kill a turn already marked abandoned whose killer died midway."""
@@ -324,6 +415,13 @@ class TurnManager:
                                   f"{'another task' if owner[0] == self.backend.scope else 'another manager'}")
         self.backend.adopt(rec, pid)
 
+    def _audit_limits_quietly(self, task_key: str, turn_key: str, usage: Usage | None = None) -> None:
+        """check_limits on a path that must finish (a kill, a completion): never raises."""
+        try:
+            self.check_limits(task_key, turn_key, usage)
+        except Exception:  # noqa: BLE001 - the audit of a limit must not stop a kill
+            log.exception("could not audit the limit events of turn %r of task %r", turn_key, task_key)
+
     def _refuse_if_caller_inside(self, rec: TurnRecord) -> None:
         if self.backend.contains_caller(rec):
             raise UnsafeOperation(f"refusing to kill turn {rec.turn_id!r} of task {rec.task_id!r}: it contains "
@@ -344,6 +442,13 @@ def _valid(value: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def turn_limits_of(rec: TurnRecord) -> Limits:
+    """The limits set on a turn itself, from its record."""
+    from .backends.cgroup2_limits import turn_limits
+
+    return turn_limits(rec)
 
 
 def _process_id(rec: TurnRecord, pid: int, start: int) -> str:

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .limits import Limits, Usage
 
 RUNNING = "running"
 COMPLETED = "completed"
@@ -35,6 +39,13 @@ class TurnRecord:
     # (killer gone) from one still under way.
     killer_pid: int | None = None
     killer_start: int | None = None
+    # Limits set on the turn itself (cgturn.Limits.to_stored(), as JSON text), and whether the turn
+    # has directories in v1 hierarchies (hybrid hosts: made when any limit applies to it).
+    limits: str | None = None
+    v1_dirs: bool = False
+    # Limit counters already written to the audit log (each increase is audited exactly once).
+    audited_oom_kills: int = 0
+    audited_pids_max_hits: int = 0
     # Why the record could not be trusted (state CORRUPT); never stored.
     problem: str | None = None
 
@@ -98,6 +109,9 @@ class AbandonResult:
     reason: str = ""
     signals: list[str] = field(default_factory=list)
     duration_ms: float = 0.0
+    # What the turn used and which limits the kernel enforced (read before its cgroup was removed);
+    # None when nothing was killed by this call.
+    usage: "Usage | None" = None
 
 
 @dataclass(slots=True)
@@ -115,10 +129,27 @@ class TurnInfo:
     memory_bytes: int | None = None
     ports: list[dict] = field(default_factory=list)
     path: str | None = None
+    # Limits set on the turn itself (None: none), what it used (None: not read), its pressure
+    # ({resource: {some_avg10, full_avg10} or None}; None: not read) and whether it is frozen.
+    limits: "Limits | None" = None
+    usage: "Usage | None" = None
+    pressure: dict | None = None
+    frozen: bool = False
 
     def to_json(self) -> dict:
-        data = dataclasses.asdict(self)
+        """The documented `cgturn ps --json` object (without `age_seconds`, which ps adds)."""
+        from .limits import Limits, Usage
+
+        data = {name: getattr(self, name) for name in ("task", "turn", "state", "pids", "owner_pid", "reason",
+                                                      "cpu_seconds", "memory_bytes", "ports", "path", "frozen")}
         data["started_at"] = iso8601(self.started_at)
+        data["limits"] = {k: v for k, v in (self.limits or Limits()).to_json().items() if k != "oom_group"}
+        usage = self.usage or Usage(cpu_seconds=self.cpu_seconds)
+        data.update(oom_kills=usage.oom_kills, pids_max_hits=usage.pids_max_hits,
+                    memory_peak_bytes=usage.memory_peak_bytes, cpu_throttled_seconds=usage.cpu_throttled_seconds)
+        data["pressure"] = self.pressure if self.pressure is not None else {r: None for r in ("cpu", "memory", "io")}
+        # Fields of features this version does not have yet, with their "off" values.
+        data.update(expires_at=None, sealed=False, network="host", keys={})
         return data
 
 

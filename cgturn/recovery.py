@@ -27,6 +27,7 @@ ABANDONED_ACTION = "abandoned"          # a running turn whose owner died
 FINISHED_KILL = "finished-kill"         # an abandon whose killer died midway
 KILLED_CORRUPT = "killed-corrupt"       # a turn directory without a trustworthy record
 REMOVED = "removed"                     # a completed turn with nothing left
+REMOVED_V1 = "removed-v1-dirs"          # v1 directories of a turn that is gone (`path`)
 KILLED_STRAY = "killed-stray"           # a process outside every turn, in a task directory or the root
 OWNER_UNKNOWN = "owner-unknown"         # the owner could not be looked at: left alone
 ERROR = "error"                         # the turn could not be handled (e.g. it holds the caller)
@@ -42,6 +43,7 @@ class RecoveryAction:
     reason: str | None = None
     killed: list[int] | None = None
     error: str | None = None
+    path: str | None = None
 
     def to_json(self) -> dict:
         """The documented `cgturn reap --json` object: fields that do not apply are left out."""
@@ -53,6 +55,8 @@ def recover(manager: "TurnManager") -> list[RecoveryAction]:
     actions: list[RecoveryAction] = []
     backend = manager.backend
     for rec in backend.records():
+        if rec.state in (RUNNING, COMPLETED):
+            manager.check_limits(rec.task_key, rec.turn_key)  # limit kills nobody has audited yet
         try:
             action = _recover_one(manager, rec)
         except CgturnError as err:
@@ -68,6 +72,8 @@ def recover(manager: "TurnManager") -> list[RecoveryAction]:
             actions.append(RecoveryAction(ERROR, _task_of(backend, where), "", error=str(err)))
     for task_key in backend.task_keys():
         backend.remove_task(task_key)  # refuses, harmlessly, while the task still has turns
+    for path in backend.sweep_v1_dirs():
+        actions.append(RecoveryAction(REMOVED_V1, "", "", path=path))
     return actions
 
 

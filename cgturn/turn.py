@@ -11,6 +11,7 @@ from .errors import NoSuchTurn
 from .model import ABANDONED, RUNNING, AbandonResult, TurnRecord
 
 if TYPE_CHECKING:
+    from .limits import Limits, Usage
     from .manager import TurnManager
 
 # Handed by the manager to the constructor: `Turn(...)` from anywhere else is refused.
@@ -118,6 +119,30 @@ class Turn:
         if rec.state != RUNNING:
             raise NoSuchTurn(f"turn {rec.turn_id!r} of task {rec.task_id!r} is {rec.state}; cannot enter")
         self._manager.backend.enter(rec)
+
+    def set_limits(self, limits: "Limits") -> None:
+        """Change what the turn may use (fields left None stay as they are; "max" removes a limit).
+
+        Lowering a memory limit below current use follows the kernel: it reclaims, then OOM-kills.
+        On a hybrid host, a turn begun without limits first gets its v1 directories and its
+        processes are moved in while the turn is frozen, so none forks past the move.
+
+        Raises:
+            LimitsUnavailable: a limit cannot be enforced here; nothing changed.
+            NoSuchTurn: the turn is gone.
+        """
+        self._record = self._manager.backend.set_turn_limits(self.record, limits)
+
+    def limits(self) -> "Limits":
+        """The limits set on the turn itself (its task's and the root's apply too)."""
+        from .backends.cgroup2_limits import turn_limits
+
+        return turn_limits(self.record)
+
+    def usage(self) -> "Usage":
+        """What the turn used and which limits the kernel enforced on it: OOM kills, pids-limit hits,
+        peak memory, CPU time and CPU throttled time. Readable while the turn's cgroup exists."""
+        return self._manager.backend.turn_usage(self.record)
 
     def touch(self) -> None:
         """Report activity (resets the inactivity timeout of a supervised turn)."""

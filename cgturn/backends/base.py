@@ -11,10 +11,13 @@ import errno
 import os
 from typing import TYPE_CHECKING, Callable, Iterable
 
+from ..errors import LimitsUnavailable
 from ..model import TurnRecord, TurnView
 
 if TYPE_CHECKING:
     import subprocess
+
+    from ..limits import Limits, Usage
 
 ENV_TASK = "CGTURN_TASK"
 ENV_TURN = "CGTURN_TURN"
@@ -57,8 +60,9 @@ class Backend(abc.ABC):
     # --- records and state ------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def create_turn(self, record: TurnRecord) -> None:
-        """Create the turn and store `record`. Raises TurnExists if the turn id is taken.
+    def create_turn(self, record: TurnRecord, limits: "Limits | None" = None) -> None:
+        """Create the turn with `limits` and store `record`. Raises TurnExists if the turn id is
+        taken, LimitsUnavailable (nothing created) if a limit cannot be enforced.
 
         A completed turn with no processes left is not 'taken': it is removed and replaced.
         """
@@ -73,10 +77,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def transition(self, task_key: str, turn_key: str, allowed_from: Iterable[str], to_state: str,
-                   updates: dict) -> tuple[bool, TurnRecord | None]:
+                   updates: dict, when=None) -> tuple[bool, TurnRecord | None]:
         """Atomically move a turn from one of `allowed_from` to `to_state`, across processes.
 
-        `updates` are further TurnRecord fields set in the same step (ended_at, reason, killer_*).
+        `updates` are further TurnRecord fields set in the same step (ended_at, reason, killer_*);
+        `when(record)`, if given, must also hold under the lock (a compare-and-set).
 
         Returns (won, record after the call). `won` is False when the turn was in another state
         (the first transition wins) or does not exist (record None).
@@ -136,12 +141,68 @@ class Backend(abc.ABC):
         """Forget an empty turn (rmdir its cgroup / drop its rows). False if it still has processes."""
 
     @abc.abstractmethod
-    def remove_task(self, task_key: str) -> bool:
-        """Forget a task that has no turns left. False if it still has some."""
+    def remove_task(self, task_key: str, force: bool = False) -> bool:
+        """Forget a task that has no turns left. False if it still has some, or has limits of its
+        own and not `force` (a task budget holds between turns until end_task)."""
 
     @abc.abstractmethod
     def task_keys(self) -> list[str]:
         """Keys of every task known here, with or without turns (reap removes the empty ones)."""
+
+    # --- limits (a backend without cgroups has none) --------------------------------------------------
+
+    def _no_limits(self) -> LimitsUnavailable:
+        return LimitsUnavailable(f"the {self.name} backend cannot enforce limits (they need cgroups)")
+
+    def set_turn_limits(self, record: TurnRecord, limits: "Limits") -> TurnRecord:
+        """Change the limits set on a turn (None fields unchanged); returns its record after."""
+        raise self._no_limits()
+
+    def set_task_limits(self, task_key: str, limits: "Limits") -> None:
+        """Change the budget of a task: all its turns together."""
+        raise self._no_limits()
+
+    def set_root_limits(self, limits: "Limits") -> None:
+        """Change the budget of the managed root: all turns together."""
+        raise self._no_limits()
+
+    def task_limits(self, task_key: str) -> "Limits":
+        from ..limits import Limits
+        return Limits()
+
+    def root_limits(self) -> "Limits":
+        from ..limits import Limits
+        return Limits()
+
+    def turn_usage(self, record: TurnRecord) -> "Usage":
+        """What the turn used, and which limits the kernel enforced on it."""
+        from ..limits import Usage
+        cpu, _ = self.usage(record, [pid for pid, _ in self.members(record)])
+        return Usage(cpu_seconds=cpu)
+
+    def task_usage(self, task_key: str) -> "Usage":
+        from ..limits import Usage
+        return Usage()
+
+    def root_usage(self) -> "Usage":
+        from ..limits import Usage
+        return Usage()
+
+    def turn_pressure(self, record: TurnRecord) -> dict | None:
+        """{resource: {some_avg10, full_avg10} or None} for cpu, memory, io; None without cgroups."""
+        return None
+
+    def turn_frozen(self, record: TurnRecord) -> bool:
+        """True while the turn is frozen (cgroup.freeze)."""
+        return False
+
+    def limits_report(self) -> dict:
+        """`{layout, available, problems}` for `cgturn doctor`."""
+        return {"layout": None, "available": [], "problems": [str(self._no_limits())]}
+
+    def sweep_v1_dirs(self) -> list[str]:
+        """Remove leftover v1 directories of turns that are gone; [] where there are none."""
+        return []
 
     def strays(self) -> list[tuple[str, int]]:
         """(where, pid) of processes inside the managed territory but in no turn; [] by default."""

@@ -18,19 +18,22 @@ membership checks that make each race-free; the listing hot path lives in cgroup
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import threading
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from ..errors import AccessDenied, NoSuchTurn, TurnExists, UnsafeOperation
+from ..errors import AccessDenied, KernelError, NoSuchTurn, TurnExists, UnsafeOperation
 from ..kernel import procfs
-from ..kernel.cgroupfs import Cgroup, KillUnsupported
+from ..kernel.cgroupfs import Cgroup, KillUnsupported, child_entries
+from ..limits import Limits, Usage
 from ..kernel.discovery import own_cgroup_dir
 from ..model import COMPLETED, CORRUPT, RUNNING, TurnRecord, TurnView
 from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag
 from . import cgroup2_views
+from .cgroup2_limits import Layout, turn_limits
 from .metadata import XATTR_KEY, MetadataStore
 
 if TYPE_CHECKING:
@@ -66,6 +69,9 @@ class Cgroup2Backend(Backend):
         self._gates = None
         self._gates_lock = threading.Lock()
         self._home: str | None = None  # where the caller was before its first enter()
+        self._home_v1: dict[str, str] = {}  # and in the v1 hierarchies
+        self._layout: Layout | None = None
+        self._layout_recorded = False
 
     @property
     def gates(self) -> "SpawnGates":
@@ -94,21 +100,38 @@ class Cgroup2Backend(Backend):
 
     # --- records and state ------------------------------------------------------------------------
 
+    @property
+    def layout(self) -> Layout:
+        """Where memory, pids and cpu are for this managed root (see cgroup2_limits)."""
+        if self._layout is None:
+            self._layout = Layout(self.root, self._path_on_mount(procfs.cgroup_of("self") or ""))
+        return self._layout
+
     def ensure_root(self) -> bool:
-        return self.root.create()
+        created = self.root.create()
+        if created or not self._layout_recorded:
+            self.layout.record()
+            self._layout_recorded = True
+        return created
 
     def remove_root(self) -> bool:
         for task in self.root.children():
-            if not task.remove_if_empty():
+            if not self.remove_task(task.name, force=True):
                 return False
-        return self.root.remove_if_empty()
+        gone = self.root.remove_if_empty()
+        if gone:
+            self.layout.remove_v1_dirs()
+        return gone
 
-    def create_turn(self, record: TurnRecord) -> None:
+    def create_turn(self, record: TurnRecord, limits: Limits | None = None) -> None:
+        limits = limits or Limits()
+        self.layout.check(limits)  # LimitsUnavailable before anything is made
         self.ensure_root()
         task = self.root.child(record.task_key)
         cg = task.child(record.turn_key)
         for _ in range(20):  # a concurrent remove_task may rmdir the task between our two mkdirs
-            task.create()
+            if task.create():
+                self.layout.enable_v2(task)
             try:
                 cg.make()
             except FileNotFoundError:
@@ -117,9 +140,115 @@ class Cgroup2Backend(Backend):
                 if not self._replace_finished(cg):
                     raise TurnExists(f"turn {record.turn_id!r} already exists in task {record.task_id!r}") from None
                 continue
-            self.meta.save(cg, record)
+            try:
+                self._limit_new_turn(record, cg, task, limits)
+                self.meta.save(cg, record)
+            except BaseException:
+                cg.remove_tree(timeout=1.0)  # nothing is left behind by a turn that could not be made
+                self.layout.remove_v1_dirs(record.task_key, record.turn_key)
+                raise
             return
         raise TurnExists(f"could not create turn {record.turn_id!r}: its task directory keeps vanishing")
+
+    def _limit_new_turn(self, record: TurnRecord, cg: Cgroup, task: Cgroup, limits: Limits) -> None:
+        """Give a new turn its limits and, on v1, its v1 directories when any level has limits."""
+        layout = self.layout
+        if layout.v1_dirs():  # some controller lives in v1: does a limit apply to this turn?
+            inherited = layout.stored_limits(task).merged(layout.stored_limits(self.root))
+            if layout.uses_v1(limits) or layout.uses_v1(inherited):
+                layout.make_v1_dirs(record.task_key, record.turn_key)
+                record.v1_dirs = True
+        effective = layout.default_limits().merged(limits)
+        if not effective.is_empty():
+            layout.apply(effective, cg.path, record.task_key, record.turn_key)
+        record.limits = None if limits.is_empty() else json.dumps(limits.to_stored())
+
+    # --- limits at the three levels ----------------------------------------------------------------
+
+    def set_turn_limits(self, record: TurnRecord, limits: Limits) -> TurnRecord:
+        layout = self.layout
+        merged = turn_limits(record).merged(limits)
+        layout.check(merged)
+        cg = self._cg(record)
+        if layout.uses_v1(merged) and not record.v1_dirs:
+            record = self._give_v1_dirs(record)
+        layout.apply(merged, cg.path, record.task_key, record.turn_key)
+        won, rec = self.transition(record.task_key, record.turn_key, {record.state}, record.state,
+                                   {"limits": json.dumps(merged.to_stored()), "v1_dirs": record.v1_dirs})
+        if rec is None:
+            raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} no longer exists")
+        return rec
+
+    def set_task_limits(self, task_key: str, limits: Limits) -> None:
+        layout = self.layout
+        self.ensure_root()
+        task = self.root.child(task_key)
+        merged = layout.stored_limits(task).merged(limits)
+        layout.check(merged)
+        if task.create():
+            layout.enable_v2(task)
+        if layout.uses_v1(merged):
+            layout.make_v1_dirs(task_key)
+            for rec in self.records(task_key):
+                if not rec.v1_dirs and rec.state != CORRUPT:
+                    self._give_v1_dirs(rec)
+        layout.apply(merged, task.path, task_key)
+        layout.store_limits(task, merged)
+
+    def set_root_limits(self, limits: Limits) -> None:
+        layout = self.layout
+        self.ensure_root()
+        merged = layout.stored_limits(self.root).merged(limits)
+        layout.check(merged)
+        if layout.uses_v1(merged):
+            layout.make_v1_dirs()
+            for rec in self.records():
+                if not rec.v1_dirs and rec.state != CORRUPT:
+                    self._give_v1_dirs(rec)
+        layout.apply(merged, self.root.path)
+        layout.store_limits(self.root, merged)
+
+    def task_limits(self, task_key: str) -> Limits:
+        return self.layout.stored_limits(self.root.child(task_key))
+
+    def root_limits(self) -> Limits:
+        return self.layout.stored_limits(self.root)
+
+    def turn_usage(self, record: TurnRecord) -> Usage:
+        return self.layout.usage(self._cg(record).path, record.task_key, record.turn_key)
+
+    def task_usage(self, task_key: str) -> Usage:
+        return self.layout.usage(self.root.child(task_key).path, task_key)
+
+    def root_usage(self) -> Usage:
+        return self.layout.usage(self.root.path)
+
+    def limits_report(self) -> dict:
+        return self.layout.report()
+
+    def turn_pressure(self, record: TurnRecord) -> dict | None:
+        return cgroup2_views.pressure(self._cg(record).path)
+
+    def turn_frozen(self, record: TurnRecord) -> bool:
+        return self._cg(record).events().get("frozen", 0) == 1
+
+    def _give_v1_dirs(self, record: TurnRecord) -> TurnRecord:
+        """Make a running turn's v1 directories and move its processes in, frozen meanwhile so that
+        none forks past the move (cgroup.freeze, 5.2+)."""
+        cg = self._cg(record)
+        self.layout.make_v1_dirs(record.task_key, record.turn_key)
+        cg.set_frozen(True)
+        try:
+            cg.wait_events(lambda ev: ev.get("frozen", 1) == 1, FREEZE_TIMEOUT)
+            for pid in cg.procs_recursive():
+                try:
+                    self.layout.join_v1(pid, record.task_key, record.turn_key)
+                except (FileNotFoundError, KernelError):
+                    continue  # exited meanwhile
+        finally:
+            cg.set_frozen(False)
+        _, rec = self.transition(record.task_key, record.turn_key, {record.state}, record.state, {"v1_dirs": True})
+        return rec or record
 
     def _replace_finished(self, cg: Cgroup) -> bool:
         """Remove an existing turn cgroup that holds nothing and will hold nothing: a completed turn,
@@ -130,6 +259,7 @@ class Cgroup2Backend(Backend):
         removed = cg.remove_tree(timeout=0.5)
         if removed:
             self.meta.forget(cg)
+            self.layout.remove_v1_dirs(os.path.basename(os.path.dirname(cg.path)), cg.name)
         return removed
 
     def load(self, task_key: str, turn_key: str) -> TurnRecord | None:
@@ -145,13 +275,13 @@ class Cgroup2Backend(Backend):
                     out.append(rec)
         return out
 
-    def transition(self, task_key, turn_key, allowed_from: Iterable[str], to_state, updates):
+    def transition(self, task_key, turn_key, allowed_from: Iterable[str], to_state, updates, when=None):
         cg = self.turn_cgroup(task_key, turn_key)
         with cg.lock() as present:
             if not present:
                 return False, None
             rec = self.meta.load(cg)
-            if rec is None or not rec.advance(allowed_from, to_state, updates):
+            if rec is None or (when is not None and not when(rec)) or not rec.advance(allowed_from, to_state, updates):
                 return False, rec
             self.meta.save(cg, rec)
             return True, rec
@@ -179,6 +309,8 @@ class Cgroup2Backend(Backend):
             # the mark here, or its kill comes after our move and takes the shim with it.
             current = self.meta.load(cg)
             joined = current is not None and current.state == RUNNING
+            if joined and current.v1_dirs:  # the turn's v1 limits hold before the target runs too
+                self.layout.join_v1(proc.pid, record.task_key, record.turn_key)
         except FileNotFoundError:
             joined = False
         except BaseException:
@@ -203,6 +335,8 @@ class Cgroup2Backend(Backend):
     def adopt(self, record, pid) -> None:
         try:
             self._cg(record).move_in(pid)
+            if record.v1_dirs:
+                self.layout.join_v1(pid, record.task_key, record.turn_key)
         except FileNotFoundError:
             raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} no longer exists") from None
 
@@ -238,14 +372,19 @@ class Cgroup2Backend(Backend):
             self._home = self._path_on_mount(procfs.cgroup_of("self") or "")
             if self._home is None:
                 raise UnsafeOperation("cannot enter a turn: the caller's own cgroup is not visible")
+            self._home_v1 = self.layout.own_v1_dirs()
         try:
             self._cg(record).move_in(os.getpid())
+            if record.v1_dirs:
+                self.layout.join_v1(os.getpid(), record.task_key, record.turn_key)
         except FileNotFoundError:
             raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} no longer exists") from None
 
     def leave(self) -> None:
         if self._home is not None:
             Cgroup(self._home).move_in(os.getpid())  # the one move outside the managed root
+        for path in self._home_v1.values():
+            Cgroup(path).move_in(os.getpid())  # and back to its own v1 cgroups
 
     def contains_caller(self, record) -> bool:
         """True when the turn holds the caller, one of its ancestors or PID 1: what `_guard` refuses
@@ -361,6 +500,8 @@ class Cgroup2Backend(Backend):
         if not cg.remove_tree(timeout=2.0):
             return False
         self.meta.forget(cg)
+        if record.v1_dirs:
+            self.layout.remove_v1_dirs(record.task_key, record.turn_key)
         return True
 
     def strays(self) -> list[tuple[str, int]]:
@@ -393,8 +534,33 @@ class Cgroup2Backend(Backend):
     def cgroup_dir(self, record) -> str:
         return self._cg(record).path
 
-    def remove_task(self, task_key) -> bool:
-        return self.root.child(task_key).remove_if_empty()
+    def remove_task(self, task_key, force: bool = False) -> bool:
+        """Remove a task directory with no turns left; one with limits of its own stays until
+        `force` (end_task): its budget holds between turns."""
+        task = self.root.child(task_key)
+        if not force and not self.layout.stored_limits(task).is_empty():
+            return False
+        if not task.remove_if_empty():
+            return False
+        if self.layout.v1_dirs():
+            self.layout.remove_v1_dirs(task_key)
+        return True
+
+    def sweep_v1_dirs(self) -> list[str]:
+        """Remove v1 directories whose turn or task is gone from cgroup2 (an owner that crashed
+        between the two removals); returns the paths removed."""
+        removed = []
+        for controller, root in self.layout.v1_dirs().items():
+            for task_name, _ in child_entries(root):
+                task_v2 = self.root.child(task_name)
+                for turn_name, _ in child_entries(os.path.join(root, task_name)):
+                    if not os.path.isdir(task_v2.child(turn_name).path):
+                        path = os.path.join(root, task_name, turn_name)
+                        if Cgroup(path).remove_tree(timeout=0.5):
+                            removed.append(path)
+                if not os.path.isdir(task_v2.path) and Cgroup(os.path.join(root, task_name)).remove_tree(timeout=0.5):
+                    removed.append(os.path.join(root, task_name))
+        return removed
 
     def views(self, task_key=None) -> list[TurnView]:
         """One pass over the tree (see cgroup2_views)."""

@@ -93,3 +93,23 @@ def _descendant_count(cg: Cgroup) -> int:
         return parsers.parse_flat_keyed(read_text(cg.file(STAT_FILE))).get("nr_descendants", -1)
     except OSError:
         return -1
+
+
+PRESSURE_RESOURCES = ("cpu", "memory", "io")
+
+
+def pressure(path: str) -> dict:
+    """{resource: {some_avg10, full_avg10} or None} of the cgroup at `path` (PSI files, 4.20+; every
+    v2 cgroup has them, controllers or not). A file the kernel lacks, or a missing `full` line (cpu
+    before 5.13), reads as None."""
+    out: dict = {}
+    for resource in PRESSURE_RESOURCES:
+        try:
+            parsed = parsers.parse_pressure(read_text(f"{path}/{resource}.pressure"))
+        except OSError:
+            out[resource] = None
+            continue
+        some, full = parsed.get("some"), parsed.get("full")
+        out[resource] = None if some is None else {
+            "some_avg10": some.get("avg10"), "full_avg10": None if full is None else full.get("avg10")}
+    return out

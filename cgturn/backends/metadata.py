@@ -245,7 +245,10 @@ def _from_json(data: dict) -> TurnRecord | None:
         return None
     if not isinstance(rec.started_at, (int, float)) or rec.state not in STATES:
         return None
-    if not (rec.reason is None or isinstance(rec.reason, str)):
+    if not (rec.reason is None or isinstance(rec.reason, str)) or not (rec.limits is None or isinstance(rec.limits, str)):
+        return None
+    if not isinstance(rec.v1_dirs, bool) or type(rec.audited_oom_kills) is not int \
+            or type(rec.audited_pids_max_hits) is not int:
         return None
     return rec
 

@@ -136,7 +136,9 @@ class RegistryBackend(Backend):
 
     # --- records and state ------------------------------------------------------------------------
 
-    def create_turn(self, record: TurnRecord) -> None:
+    def create_turn(self, record: TurnRecord, limits=None) -> None:
+        if limits is not None and not limits.is_empty():
+            raise self._no_limits()
         self._ensure_reaper()
         with self.db.write() as conn:
             old = self.db.load(conn, record.task_key, record.turn_key)
@@ -157,10 +159,10 @@ class RegistryBackend(Backend):
                 else self.db.read(sql + " ORDER BY started_at"))
         return [self.db.to_record(row) for row in rows]
 
-    def transition(self, task_key, turn_key, allowed_from: Iterable[str], to_state, updates):
+    def transition(self, task_key, turn_key, allowed_from: Iterable[str], to_state, updates, when=None):
         with self.db.write() as conn:
             rec = self.db.load(conn, task_key, turn_key)
-            if rec is None or not rec.advance(set(allowed_from), to_state, updates):
+            if rec is None or (when is not None and not when(rec)) or not rec.advance(set(allowed_from), to_state, updates):
                 return False, rec
             self.db.save(conn, rec)
             return True, rec
@@ -390,7 +392,7 @@ class RegistryBackend(Backend):
     def task_keys(self) -> list[str]:
         return [row[0] for row in self.db.read("SELECT DISTINCT task_key FROM turns")]
 
-    def remove_task(self, task_key) -> bool:
+    def remove_task(self, task_key, force: bool = False) -> bool:
         rows = self.db.read("SELECT COUNT(*) FROM turns WHERE task_key=?", (task_key,))
         return rows[0][0] == 0
 

@@ -16,7 +16,7 @@ from ..errors import RegistryUnavailable, translate
 from ..model import STORED_FIELDS, TurnRecord
 
 BUSY_TIMEOUT = 10.0
-_SQL_TYPES = {"str": "TEXT", "int": "INTEGER", "float": "REAL"}
+_SQL_TYPES = {"str": "TEXT", "int": "INTEGER", "float": "REAL", "bool": "INTEGER"}
 
 
 def _turn_columns() -> list[tuple[str, str]]:

@@ -33,6 +33,8 @@ def run(args) -> int:
 
 
 def _describe(act: dict) -> str:
+    if act["action"] == "removed-v1-dirs":
+        return f"removed-v1-dirs: {act['path']} (its turn was gone)"
     if act["action"] == "killed-stray":
         return f"killed-stray: process {act['killed'][0]} had left its turn (task {act['task']!r})"
     where = f"turn {act['turn']!r} of task {act['task']!r}"

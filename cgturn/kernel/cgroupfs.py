@@ -286,9 +286,10 @@ class Cgroup:
                 return None
             raise
 
-    def set_xattr(self, key: str, value: bytes) -> None:
-        """Set xattr `key`. Raises OSError: callers decide per errno (ENOTSUP, EACCES, E2BIG...)."""
-        os.setxattr(self.path, key, value)
+    def set_xattr(self, key: str, value: bytes, create: bool = False) -> None:
+        """Set xattr `key`; with `create`, only if it does not exist yet (FileExistsError otherwise:
+        the first writer wins). Raises OSError: callers decide per errno (ENOTSUP, EACCES, E2BIG...)."""
+        os.setxattr(self.path, key, value, os.XATTR_CREATE if create else 0)
 
     def remove_xattr(self, key: str) -> None:
         """Remove xattr `key`; absent already is fine."""

@@ -109,3 +109,63 @@ def parse_environ(data: bytes) -> dict[str, str]:
         if sep:
             env[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
     return env
+
+
+_NOT_CONTROLLERS = frozenset({"rw", "ro", "clone_children", "noprefix", "xattr", "cpuset_v2_mode", "favordynmods"})
+
+
+def parse_mountinfo_cgroup1(text: str) -> list[tuple[str, list[str]]]:
+    """/proc/self/mountinfo: (mount point, controllers) of every cgroup v1 hierarchy mounted at its
+    root. Named hierarchies (`name=systemd`) carry no controller and are left out, and so are mounts
+    of a sub-directory of a hierarchy (a container's view), whose paths /proc/PID/cgroup does not give.
+    """
+    out = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        if not sep:
+            continue
+        parts = right.split()
+        if len(parts) < 3 or parts[0] != "cgroup":
+            continue
+        fields = left.split()
+        if len(fields) < 5 or fields[3] != "/":
+            continue
+        controllers = [opt for opt in parts[2].split(",") if opt not in _NOT_CONTROLLERS and "=" not in opt]
+        if controllers:
+            out.append((_unescape(fields[4]), controllers))
+    return out
+
+
+def parse_proc_cgroup_v1(text: str) -> dict[str, str]:
+    """/proc/PID/cgroup: controller -> path for every v1 hierarchy line (`N:cpu,cpuacct:/path`)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        number, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if not number.isdigit() or number == "0" or not controllers:
+            continue
+        for controller in controllers.split(","):
+            if "=" not in controller:
+                out[controller] = path
+    return out
+
+
+def parse_pressure(text: str) -> dict[str, dict[str, float]]:
+    """cpu.pressure / memory.pressure / io.pressure (PSI, 4.20+): `some|full avg10=.. avg60=..
+    avg300=.. total=..` per line -> {"some": {"avg10": 1.5, ..., "total": 123}, "full": {...}}.
+    avg* are percentages as the kernel prints them; total is stall time in microseconds."""
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        kind, _, rest = line.partition(" ")
+        if kind not in ("some", "full"):
+            continue
+        values = {}
+        for item in rest.split():
+            key, sep, value = item.partition("=")
+            if sep:
+                try:
+                    values[key] = float(value) if key != "total" else int(value)
+                except ValueError:
+                    continue
+        out[kind] = values
+    return out

@@ -46,11 +46,13 @@ def test_doctor_in_a_delegated_subtree(user):
     assert report["problems"] == []
 
 
-def test_doctor_without_delegation_as_a_user_falls_back_with_a_reason():
+def test_doctor_without_delegation_as_a_user_says_why_the_asked_root_is_unusable():
+    """CGTURN_ROOT names a root the user cannot write: a manager would refuse it (an explicit root is
+    never quietly swapped for the registry), so doctor says it is unusable, and why (exit 1)."""
     unit_dir, res = _doctor(TEST_USER, ())
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 1, res.stderr
     report = json.loads(res.stdout)
-    assert report["backend"] == "registry"
+    assert report["usable"] is False and report["backend"] == "registry"
     assert report["own_cgroup"] == unit_dir
     assert report["writable"] is False
     assert any("no write permission" in p for p in report["problems"]), report["problems"]

@@ -1,0 +1,219 @@
+"""Limits for the cgroup v2 backend: where each controller is for a managed root, the v1 directories of
+a hybrid host, and limits and usage at the three levels (turn, task, managed root).
+
+The places are decided once, when the managed root is made, from what the host offers *without
+writing anything outside cgturn's own cgroups*: a controller is v2 when the managed root's parent
+delegates it (its `cgroup.subtree_control`; cgturn never writes that file of a cgroup it did not
+create), else v1 when a v1 hierarchy has it (a hybrid host), at the same place relative to the
+creating process's own cgroup there. They are recorded on the managed root (`user.cgturn.layout`) and
+every process (reap, the CLI) uses the record, not its own view of the host.
+
+On v1, a turn gets directories in the v1 hierarchies only when a limit applies to it (its own, its
+task's or the root's): a turn without limits pays nothing. Its processes join them before the target
+runs, as they join the turn's cgroup2 directory (spawn's gate), and they are removed with the turn.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from ..errors import LimitsUnavailable
+from ..kernel import controllers, parsers, procfs
+from ..kernel.cgroupfs import Cgroup, read_text
+from ..kernel.controllers import V1, V2, Place
+from ..limits import Limits, Usage
+
+log = logging.getLogger("cgturn")
+
+LAYOUT_KEY = "user.cgturn.layout"   # on the managed root: where each controller is
+LIMITS_KEY = "user.cgturn.limits"   # on the managed root and on task directories: their own limits
+SUBTREE_CONTROL = "cgroup.subtree_control"
+
+
+class Layout:
+    """The controllers of one managed root. `root` is its cgroup2 directory; `own_v2` the creating
+    process's own cgroup2 directory (the v1 places mirror the root's position below it)."""
+
+    def __init__(self, root: Cgroup, own_v2: str | None):
+        self.root = root
+        self.own_v2 = own_v2
+        self._places: dict[str, Place] | None = None
+        self._problems: list[str] = []
+
+    # --- where the controllers are ------------------------------------------------------------------
+
+    def places(self) -> dict[str, Place]:
+        """The recorded places; before the root exists, what they would be (nothing is written)."""
+        if self._places is None:
+            recorded = self._recorded()
+            if recorded is not None:
+                self._places = recorded
+            else:
+                return self._decide()[0]
+        return self._places
+
+    def problems(self) -> list[str]:
+        """Why any of memory, pids, cpu cannot be had for this managed root."""
+        have = self.places()
+        return [p for p in self._decide()[1] if p.split(":", 1)[0] not in have]
+
+    def report(self) -> dict:
+        """`{layout, available, problems}` (what `cgturn doctor` shows)."""
+        places = self.places()
+        return {"layout": controllers.layout_name(places), "available": sorted(places),
+                "problems": self.problems()}
+
+    def record(self) -> None:
+        """Record the places on the managed root (just made, or made by an older cgturn) and enable
+        the v2 controllers in its subtree (a cgroup cgturn created). The first writer wins."""
+        if self._recorded() is not None:
+            self._places = self._recorded()
+            return
+        places, _ = self._decide()
+        data = json.dumps({name: place.to_json() for name, place in places.items()}).encode()
+        try:
+            self.root.set_xattr(LAYOUT_KEY, data, create=True)
+        except FileExistsError:
+            places = self._recorded() or places
+        except OSError as err:
+            log.warning("cannot record the controller layout on %s (%s); limits unavailable", self.root.path,
+                        os.strerror(err.errno or 0))
+            places = {}
+        self._places = places
+        self.enable_v2(self.root)
+
+    def _recorded(self) -> dict[str, Place] | None:
+        raw = self.root.get_xattr(LAYOUT_KEY) if os.path.isdir(self.root.path) else None
+        if raw is None:
+            return None
+        try:
+            return {name: Place.from_json(value) for name, value in json.loads(raw).items()
+                    if name in controllers.CONTROLLERS}
+        except (ValueError, AttributeError, TypeError):
+            log.warning("unreadable controller layout on %s: limits unavailable", self.root.path)
+            return {}
+
+    def _decide(self) -> tuple[dict[str, Place], list[str]]:
+        parent = os.path.dirname(self.root.path)
+        try:
+            delegated = parsers.parse_controllers(read_text(f"{parent}/{SUBTREE_CONTROL}"))
+        except OSError:
+            delegated = []
+        try:
+            mounts = controllers.v1_mounts(procfs.DEFAULT.read("self", "mountinfo").decode("utf-8", "replace"))
+            own_v1 = parsers.parse_proc_cgroup_v1(procfs.DEFAULT.read("self", "cgroup").decode("utf-8", "replace"))
+        except Exception:  # noqa: BLE001 - no v1 view at all is an answer: no v1 places
+            mounts, own_v1 = {}, {}
+        if self.own_v2 is not None and (self.root.path + "/").startswith(self.own_v2.rstrip("/") + "/"):
+            relative = os.path.relpath(self.root.path, self.own_v2)
+        else:
+            relative = os.path.basename(self.root.path)
+        return controllers.decide_places(delegated, mounts, own_v1, relative)
+
+    def enable_v2(self, cg: Cgroup) -> None:
+        """Enable the v2 controllers in the subtree of `cg` (the managed root or a task directory,
+        both made by cgturn). EBUSY means processes sit in `cg` (the no-internal-processes rule)."""
+        wanted = [name for name, place in self.places().items() if place.version == V2]
+        if not wanted:
+            return
+        try:
+            cg.write(SUBTREE_CONTROL, " ".join(f"+{name}" for name in wanted))
+        except FileNotFoundError:
+            pass
+
+    # --- v1 directories -------------------------------------------------------------------------------
+
+    def v1_dirs(self, *names: str) -> dict[str, str]:
+        """controller -> the v1 directory of the managed root (no names), a task, or a turn."""
+        return {name: os.path.join(place.path, *names) for name, place in self.places().items()
+                if place.version == V1}
+
+    def make_v1_dirs(self, *names: str) -> None:
+        """Make the v1 directories of the root, and of the task and turn named, as needed."""
+        for path in self.v1_dirs(*names).values():
+            # Every component below the caller's own v1 cgroup is cgturn's: the root's mirror, the
+            # task's, the turn's. The caller's own cgroup itself exists.
+            missing = []
+            while not os.path.isdir(path):
+                missing.append(path)
+                path = os.path.dirname(path)
+            for directory in reversed(missing):
+                Cgroup(directory).create()
+
+    def remove_v1_dirs(self, *names: str) -> bool:
+        """Remove the v1 directories of a turn, task or (no names) the root; True when all are gone."""
+        ok = True
+        for path in self.v1_dirs(*names).values():
+            ok = Cgroup(path).remove_tree(timeout=2.0) and ok
+        return ok
+
+    def own_v1_dirs(self) -> dict[str, str]:
+        """controller -> the caller's current v1 cgroup directory, for the v1 places."""
+        mine = parsers.parse_proc_cgroup_v1(procfs.DEFAULT.read("self", "cgroup").decode("utf-8", "replace"))
+        mounts = controllers.v1_mounts(procfs.DEFAULT.read("self", "mountinfo").decode("utf-8", "replace"))
+        return {name: os.path.normpath(os.path.join(mounts[name], mine[name].lstrip("/")))
+                for name, place in self.places().items() if place.version == V1 and name in mine and name in mounts}
+
+    def join_v1(self, pid: int, *names: str) -> None:
+        """Move `pid` into the v1 directories of the turn named (FileNotFoundError if one is gone)."""
+        for path in self.v1_dirs(*names).values():
+            Cgroup(path).move_in(pid)
+
+    # --- limits --------------------------------------------------------------------------------------
+
+    def check(self, limits: Limits) -> list[tuple[str, str, str]]:
+        """The files `limits` needs here; raises LimitsUnavailable before anything is touched."""
+        return controllers.limit_files(limits, self.places())
+
+    def apply(self, limits: Limits, v2_dir: str, *names: str) -> None:
+        """Write `limits` to the v2 directory `v2_dir` and/or the v1 directories named."""
+        v1 = self.v1_dirs(*names)
+        for controller, name, value in self.check(limits):
+            place = self.places()[controller]
+            directory = v2_dir if place.version == V2 else v1[controller]
+            try:
+                Cgroup(directory).write(name, value)
+            except FileNotFoundError as err:
+                raise LimitsUnavailable(f"{directory}/{name} does not exist: this kernel cannot set it") from err
+
+    def default_limits(self) -> Limits:
+        """What every turn gets on this layout without asking: on v2, a memory OOM kills the whole
+        turn (memory.oom.group), not one arbitrary process."""
+        memory = self.places().get("memory")
+        return Limits(oom_group=True) if memory is not None and memory.version == V2 else Limits()
+
+    def uses_v1(self, limits: Limits) -> bool:
+        """True if setting `limits` needs v1 directories."""
+        places = self.places()
+        return any(places[c].version == V1 for c in controllers.needed_controllers(limits) if c in places)
+
+    @staticmethod
+    def stored_limits(cg: Cgroup) -> Limits:
+        """The limits recorded on the managed root or a task directory (empty when none)."""
+        raw = cg.get_xattr(LIMITS_KEY) if os.path.isdir(cg.path) else None
+        if raw is None:
+            return Limits()
+        try:
+            return Limits.from_json(json.loads(raw))
+        except (ValueError, TypeError, AttributeError):
+            log.warning("unreadable limits record on %s: ignored", cg.path)
+            return Limits()
+
+    @staticmethod
+    def store_limits(cg: Cgroup, limits: Limits) -> None:
+        cg.set_xattr(LIMITS_KEY, json.dumps(limits.to_stored()).encode())
+
+    def usage(self, v2_dir: str, *names: str) -> Usage:
+        """What the cgroup at `v2_dir` (with the v1 directories named, where it has them) used."""
+        return controllers.read_usage(v2_dir, self.places(), self.v1_dirs(*names))
+
+
+def turn_limits(record) -> Limits:
+    """The limits set on a turn itself, from its record (empty when none or unreadable)."""
+    if not record.limits:
+        return Limits()
+    try:
+        return Limits.from_json(json.loads(record.limits))
+    except (ValueError, TypeError, AttributeError):
+        return Limits()
