@@ -167,6 +167,7 @@ def build(force: bool = False, out=sys.stderr) -> Image:
     with open(os.path.join(CACHE_ROOT, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not force and cached_image() is not None:
+            os.utime(final)  # marks it used, for _prune
             return Image(final)
         work = f"{final}.tmp-{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
@@ -184,7 +185,18 @@ def build(force: bool = False, out=sys.stderr) -> Image:
         finally:
             shutil.rmtree(work, ignore_errors=True)
         print(f"testhost: image built in {time.monotonic() - started:.0f} s", file=out)
+        _prune(keep=digest)
         return Image(final)
+
+
+def _prune(keep: str, unused_days: float = 7.0) -> None:
+    """Remove images of other recipes not used for `unused_days` (each is ~400 MB); caller holds the lock."""
+    cutoff = time.time() - unused_days * 86400
+    for entry in os.scandir(CACHE_ROOT):
+        if entry.name == keep or not entry.is_dir() or len(entry.name.split(".")[0]) != 16:
+            continue
+        if entry.stat().st_mtime < cutoff or ".tmp-" in entry.name:
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _build_into(work: str, mirror: str, log) -> None:

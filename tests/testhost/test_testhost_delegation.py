@@ -22,12 +22,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DELEGATED = ("Delegate=yes", "DelegateSubgroup=supervisor")
 
 
-def _doctor(user: str | None, props: tuple[str, ...]):
+def _doctor(user: str | None, props: tuple[str, ...], ask_root: bool = True):
     name = unit_name()
     unit_dir = f"{MOUNT}/system.slice/{name}.service"
     props = props + ((f"User={user}",) if user else ())
-    res = run_in_unit([sys.executable, "-m", "cgturn", "doctor", "--json"], props=props, name=name,
-                      env={"CGTURN_ROOT": f"{unit_dir}/turns"})
+    env = {"CGTURN_ROOT": f"{unit_dir}/turns"} if ask_root else {}
+    res = run_in_unit([sys.executable, "-m", "cgturn", "doctor", "--json"], props=props, name=name, env=env)
     return unit_dir, res
 
 
@@ -46,16 +46,25 @@ def test_doctor_in_a_delegated_subtree(user):
     assert report["problems"] == []
 
 
-def test_doctor_without_delegation_as_a_user_says_why_the_asked_root_is_unusable():
-    """CGTURN_ROOT names a root the user cannot write: a manager would refuse it (an explicit root is
-    never quietly swapped for the registry), so doctor says it is unusable, and why (exit 1)."""
-    unit_dir, res = _doctor(TEST_USER, ())
-    assert res.returncode == 1, res.stderr
+def test_doctor_without_delegation_as_a_user_falls_back_with_a_reason():
+    # No managed root asked for: the default (<own cgroup>/cgturn) is not writable, the registry is used.
+    unit_dir, res = _doctor(TEST_USER, (), ask_root=False)
+    assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
-    assert report["usable"] is False and report["backend"] == "registry"
+    assert report["backend"] == "registry"
     assert report["own_cgroup"] == unit_dir
+    assert report["managed_root"] == f"{unit_dir}/cgturn"
     assert report["writable"] is False
     assert any("no write permission" in p for p in report["problems"]), report["problems"]
+
+
+def test_doctor_without_delegation_refuses_an_asked_for_root():
+    unit_dir, res = _doctor(TEST_USER, ())
+    assert res.returncode == 1, res.stdout + res.stderr
+    report = json.loads(res.stdout)
+    assert report["usable"] is False
+    assert report["writable"] is False
+    assert any("was asked for but cgroup v2 is not usable" in p for p in report["problems"]), report["problems"]
 
 
 @pytest.mark.parametrize("user", [None, TEST_USER], ids=["root", "user"])
