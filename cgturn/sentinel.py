@@ -406,6 +406,11 @@ class Sentinel:
             # is still a turn to kill when its owner dies.
             if self.manager.turn_state(*key) in (None, COMPLETED, ABANDONED):
                 del self.guards[key]
+                continue
+            try:  # a limit the kernel enforced is audited even while the owner is stopped
+                self.manager.check_limits(*key)
+            except Exception:  # noqa: BLE001 - auditing must never stop the guard
+                log.exception("could not check the limits of %r", key)
 
 
 def parse_message(data: bytes) -> dict:

@@ -115,6 +115,9 @@ class Outcome:
     abandon: AbandonResult | None = None
     error: BaseException | None = None
     interrupted: bool = False
+    # What the turn used and which limits the kernel enforced on it (cgturn.Usage): read as the
+    # worker finished, or by the abandon before the turn's cgroup was removed; None when unknown.
+    usage: Any = None
 
     @property
     def abandoned(self) -> bool:
@@ -162,6 +165,7 @@ class Supervisor:
         self._error: BaseException | None = None
         self._reason: str | None = None          # set once: the abandon decision
         self._abandon_result: AbandonResult | None = None
+        self._usage = None                        # read as the worker finished
         self._interrupted = False
         self._settled = threading.Event()        # the outcome is final (kill finished, or completed)
         self._wake = threading.Event()           # wakes the watchdog early (finish, stop)
@@ -269,6 +273,12 @@ class Supervisor:
             self._watchdog = threading.Thread(target=self._watch, name="cgturn-watchdog", daemon=True)
             self._watchdog.start()
 
+    def _read_usage(self):
+        try:
+            return self.turn.usage()
+        except Exception:  # noqa: BLE001 - figures never decide an outcome
+            return None
+
     def _finish_run(self) -> Outcome:
         self._wake.set()
         if self.run_markers is not None:
@@ -277,9 +287,10 @@ class Supervisor:
             # The guard skipped the kill: the turn stays running, guarded only against owner death.
             self._sentinel.guard(self.turn, grace=0.0)
         if self._completed:
-            return Outcome(completed=True, result=self._result)
+            return Outcome(completed=True, result=self._result, usage=self._usage)
+        usage = self._abandon_result.usage if self._abandon_result is not None else None
         return Outcome(completed=False, reason=self._reason, abandon=self._abandon_result,
-                       error=self._error, interrupted=self._interrupted)
+                       error=self._error, interrupted=self._interrupted, usage=usage or self._usage)
 
     # --- the decision ---------------------------------------------------------------------------
 
@@ -291,6 +302,7 @@ class Supervisor:
             if error is None:
                 if self.run_markers is not None:
                     self.run_markers.clear()
+                self._usage = self._read_usage()  # completing may remove the turn, figures and all
                 if self.turn.complete():
                     self._completed, self._result = True, result
                     self._settled.set()
