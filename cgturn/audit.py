@@ -51,6 +51,15 @@ def record_limit(state_dir: str, *, task: str, turn: str, reason: str, count: in
     return entry
 
 
+def record_action(state_dir: str, *, action: str, task: str, turn: str, reason: str, pids: list[int],
+                  backend: str) -> dict:
+    """Write one `freeze` or `thaw` record (who asked: reason `user` or `guard`/`pressure`)."""
+    entry = {"time": time.time(), "action": action, "task": task, "turn": turn, "reason": reason,
+             "pids": sorted(pids), "backend": backend, "by_pid": os.getpid()}
+    _append(state_dir, entry)
+    return entry
+
+
 def _append(state_dir: str, entry: dict) -> None:
     line = json.dumps(entry, ensure_ascii=False)
     log.info(line, extra={"cgturn": entry})

@@ -250,6 +250,51 @@ class TurnManager:
             return False, None  # another process audited these events first
         return True, current
 
+    # --- pause and resume ----------------------------------------------------------------------------
+
+    def freeze_turn(self, task_key: str, turn_key: str, by: str = "user") -> list[int]:
+        """Freeze a running or completed turn's processes (`by`: "user" or "guard"); pids reached.
+
+        Raises:
+            UnsafeOperation: the turn holds the caller, one of its ancestors or PID 1.
+            NoSuchTurn: no such turn, or it was abandoned.
+        """
+        from . import audit
+
+        rec = self._live_record(task_key, turn_key)
+        self._refuse_if_caller_inside(rec)
+        pids = self.backend.freeze_members(rec, True)
+        now = time.time()
+        self.backend.transition(task_key, turn_key, {RUNNING, COMPLETED}, rec.state,
+                                {"frozen_by": by, "frozen_at": now}, when=lambda r: r.frozen_by is None)
+        audit.record_action(self.state_dir, action="freeze", task=rec.task_id, turn=rec.turn_id, reason=by,
+                            pids=pids, backend=self.backend.name)
+        return pids
+
+    def thaw_turn(self, task_key: str, turn_key: str, by: str = "user") -> list[int]:
+        """Thaw a frozen turn. The guard never thaws a turn a user paused (UnsafeOperation)."""
+        from . import audit
+
+        rec = self._live_record(task_key, turn_key)
+        if by == "guard" and rec.frozen_by == "user":
+            raise UnsafeOperation(f"turn {rec.turn_id!r} of task {rec.task_id!r} was paused by a user")
+        self._refuse_if_caller_inside(rec)
+        pids = self.backend.freeze_members(rec, False)
+        now = time.time()
+        frozen_for = now - rec.frozen_at if rec.frozen_at is not None else 0.0
+        self.backend.transition(task_key, turn_key, {RUNNING, COMPLETED}, rec.state,
+                                {"frozen_by": None, "frozen_at": None,
+                                 "frozen_seconds": rec.frozen_seconds + max(0.0, frozen_for)})
+        audit.record_action(self.state_dir, action="thaw", task=rec.task_id, turn=rec.turn_id, reason=by,
+                            pids=pids, backend=self.backend.name)
+        return pids
+
+    def _live_record(self, task_key: str, turn_key: str) -> TurnRecord:
+        rec = self.backend.load(task_key, turn_key)
+        if rec is None or rec.state not in (RUNNING, COMPLETED):
+            raise NoSuchTurn(f"no running or completed turn {turn_key!r} in task {task_key!r}")
+        return rec
+
     def create_root(self) -> bool:
         """Create the managed root now (the first turn would); True if this call created it."""
         return self.backend.ensure_root()

@@ -46,6 +46,12 @@ class TurnRecord:
     # Limit counters already written to the audit log (each increase is audited exactly once).
     audited_oom_kills: int = 0
     audited_pids_max_hits: int = 0
+    # Who froze the turn ("user": Turn.freeze/`cgturn pause`; "guard": the pressure guard) and since
+    # when (wall clock); the seconds it spent frozen before, so clocks that stop while frozen can
+    # leave them out.
+    frozen_by: str | None = None
+    frozen_at: float | None = None
+    frozen_seconds: float = 0.0
     # Why the record could not be trusted (state CORRUPT); never stored.
     problem: str | None = None
 

@@ -144,6 +144,23 @@ class Turn:
         peak memory, CPU time and CPU throttled time. Readable while the turn's cgroup exists."""
         return self._manager.backend.turn_usage(self.record)
 
+    def freeze(self) -> list[int]:
+        """Pause the turn: every process stops where it is (cgroup.freeze, 5.2+; SIGSTOP on the
+        registry). Returns the pids reached. An abandon of a frozen turn still kills it.
+
+        Raises UnsafeOperation when the turn holds the caller; NoSuchTurn when it has ended.
+        """
+        return self._manager.freeze_turn(*self.key, by="user")
+
+    def thaw(self) -> list[int]:
+        """Resume a frozen turn (paused by a user or frozen by the pressure guard)."""
+        return self._manager.thaw_turn(*self.key, by="user")
+
+    @property
+    def frozen(self) -> bool:
+        """True while the turn is frozen."""
+        return self._manager.backend.turn_frozen(self.record) or self.record.frozen_by is not None
+
     def touch(self) -> None:
         """Report activity (resets the inactivity timeout of a supervised turn)."""
         self.last_activity = time.monotonic()

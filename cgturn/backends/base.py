@@ -129,6 +129,11 @@ class Backend(abc.ABC):
         """SIGKILL every member, as race-free against forks as the backend can; pids hit."""
 
     @abc.abstractmethod
+    def freeze_members(self, record: TurnRecord, frozen: bool) -> list[int]:
+        """Freeze (or thaw) every member: cgroup.freeze on cgroup v2, SIGSTOP/SIGCONT on the
+        registry (never a protected process). Returns the pids it reached."""
+
+    @abc.abstractmethod
     def kill_where(self, record: TurnRecord, doomed: Callable[[int, int], bool]) -> list[int]:
         """Hold the turn still (freeze/SIGSTOP), SIGKILL members with doomed(pid, start), resume."""
 

@@ -237,6 +237,7 @@ class Cgroup2Backend(Backend):
         none forks past the move (cgroup.freeze, 5.2+)."""
         cg = self._cg(record)
         self.layout.make_v1_dirs(record.task_key, record.turn_key)
+        was_frozen = cg.events().get("frozen", 0) == 1  # paused by a user or the guard: stays so
         cg.set_frozen(True)
         try:
             cg.wait_events(lambda ev: ev.get("frozen", 1) == 1, FREEZE_TIMEOUT)
@@ -246,7 +247,8 @@ class Cgroup2Backend(Backend):
                 except (FileNotFoundError, KernelError):
                     continue  # exited meanwhile
         finally:
-            cg.set_frozen(False)
+            if not was_frozen:
+                cg.set_frozen(False)
         _, rec = self.transition(record.task_key, record.turn_key, {record.state}, record.state, {"v1_dirs": True})
         return rec or record
 
@@ -486,6 +488,18 @@ class Cgroup2Backend(Backend):
             if not hit:
                 break
         return sorted(killed)
+
+    def freeze_members(self, record, frozen: bool) -> list[int]:
+        cg = self._cg(record)
+        self._guard(cg)
+        pids = cg.procs_recursive()
+        try:
+            cg.set_frozen(frozen)
+        except FileNotFoundError:
+            raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} no longer exists") from None
+        # cgroup.events `frozen` follows once every task has stopped (or runs again).
+        cg.wait_events(lambda ev: ev.get("frozen", int(frozen)) == int(frozen), FREEZE_TIMEOUT)
+        return pids
 
     def kill_where(self, record, doomed) -> list[int]:
         cg = self._cg(record)

@@ -355,6 +355,18 @@ class RegistryBackend(Backend):
         if self._reaper is not None:
             self._reaper.expect(killed)
 
+    def freeze_members(self, record, frozen: bool) -> list[int]:
+        """SIGSTOP every member until a pass finds none new (a fork racing the stop is caught by
+        the next pass), or SIGCONT them all. Weaker than cgroup.freeze: a process that catches
+        SIGCONT from elsewhere runs again, and one started by a member after the last pass runs."""
+        protected = procfs.protected_pids()
+        if frozen:
+            held = self._freeze(record, protected)
+            pids = sorted(pid for pid, _ in held)
+            _close_all(held)
+            return pids
+        return self.signal_members(record, signal.SIGCONT)
+
     def kill_where(self, record, doomed: Callable[[int, int], bool]) -> list[int]:
         protected = procfs.protected_pids()
         held = self._freeze(record, protected)
