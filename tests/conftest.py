@@ -131,6 +131,7 @@ def destroy_cgroup_tree(path: str) -> None:
     """Kill everything under a test root this test created, then remove it. Never touches our own cgroup."""
     cg = Cgroup(path)
     if not os.path.isdir(path):
+        remove_v1_mirrors(path)
         return
     mine = procfs.cgroup_of("self") or ""
     mine_abs = os.path.normpath(os.path.join(CGROUP2_MOUNT or "/", mine.lstrip("/")))
@@ -146,6 +147,7 @@ def destroy_cgroup_tree(path: str) -> None:
                 except ProcessLookupError:
                     pass
         except FileNotFoundError:
+            remove_v1_mirrors(path)
             return
         for sub in [cg, *cg.descendants()]:
             try:
@@ -154,8 +156,34 @@ def destroy_cgroup_tree(path: str) -> None:
                 pass
         cg.wait_unpopulated(5.0)
         if cg.remove_tree(timeout=2.0):
+            remove_v1_mirrors(path)
             return
     raise RuntimeError(f"could not remove test cgroup {path}")
+
+
+def v1_mirrors(root: str) -> dict[str, str]:
+    """controller -> where a managed root at `root` has (or would have) its directory in the v1 memory,
+    pids and cpu hierarchies of a hybrid host: below this process's own v1 cgroup, at the root's place
+    relative to this process's own cgroup2 cgroup. {} where there is no v1 hierarchy."""
+    from cgturn.kernel import controllers, parsers
+
+    with open("/proc/self/mountinfo") as f:
+        mounts = controllers.v1_mounts(f.read())
+    with open("/proc/self/cgroup") as f:
+        own = parsers.parse_proc_cgroup_v1(f.read())
+    own_v2 = os.path.join(CGROUP2_MOUNT or "/", (procfs.cgroup_of("self") or "").lstrip("/"))
+    relative = os.path.relpath(root, own_v2)
+    return {c: os.path.normpath(os.path.join(mounts[c], own[c].lstrip("/"), relative))
+            for c in ("memory", "pids", "cpu") if c in mounts and c in own}
+
+
+def remove_v1_mirrors(root: str) -> None:
+    """Remove what a test's managed root left in the v1 hierarchies (a failed test's turns): only
+    directories named after a cgturn test root, below this process's own v1 cgroups. Their processes
+    were in the root's cgroup2 tree, killed before this is called."""
+    for path in v1_mirrors(root).values():
+        if "cgturn" in os.path.basename(path) and os.path.isdir(path) and not Cgroup(path).remove_tree(timeout=2.0):
+            raise RuntimeError(f"could not remove the v1 directory {path} of test root {root}")
 
 
 @pytest.fixture
