@@ -26,7 +26,7 @@ def snapshot(args, manager=None) -> list[dict]:
     if manager is None:
         with common.make_manager(args) as own:
             return snapshot(args, own)
-    infos = manager.turns(args.task)
+    infos = manager.turns(args.task, detail=True)  # usage, pressure, frozen: the ps --json fields
     now = time.time()
     rows = []
     for info in infos:
