@@ -101,12 +101,14 @@ def v1_lines(pid: int) -> dict[str, str]:
         return parsers.parse_proc_cgroup_v1(f.read())
 
 
+def v1_mounts() -> dict[str, str]:
+    with open("/proc/self/mountinfo") as f:
+        return controllers.v1_mounts(f.read())
+
+
 def in_v1_dirs(pid: int, dirs: dict[str, str]) -> bool:
     """True when `pid` sits in exactly the v1 directories `dirs` (controller -> path)."""
-    with open(f"/proc/{pid}/cgroup") as f:
-        mine = parsers.parse_proc_cgroup_v1(f.read())
-    with open("/proc/self/mountinfo") as f:
-        mounts = controllers.v1_mounts(f.read())
+    mine, mounts = v1_lines(pid), v1_mounts()
     return all(os.path.normpath(os.path.join(mounts[c], mine[c].lstrip("/"))) == path for c, path in dirs.items())
 
 
@@ -132,6 +134,10 @@ def test_memory_limit_oom_kills_only_the_turn_and_is_audited_once(mgr, state_dir
     turn = mgr.begin_turn("hog", "h1", limits=Limits(memory_max=50 * MiB))
     dirs = v1_dirs(mgr, *turn.key)
     assert read_v1(dirs["memory"], "memory.limit_in_bytes") == str(50 * MiB)
+    # The target's first look at itself already finds it inside the limits (spawn joins before exec).
+    first_look = turn.spawn(["cat", "/proc/self/cgroup"], stdout=subprocess.PIPE, text=True).communicate(timeout=10)[0]
+    assert {c: parsers.parse_proc_cgroup_v1(first_look)[c] for c in dirs} == \
+        {c: path[len(v1_mounts()[c]):] for c, path in dirs.items()}
     hog = start_alloc(turn, 200)
     out, _ = hog.communicate(timeout=60)
     assert hog.returncode == -signal.SIGKILL and out == ""
