@@ -94,8 +94,9 @@ def floor_abandon(parent: str, n: int) -> float:
 
 # --- cgturn backends and the psutil recipe ----------------------------------------------------------
 
-def cgturn_abandon(mgr: TurnManager, n: int) -> float:
-    turn = mgr.begin_turn("bench-abandon")
+def cgturn_abandon(mgr: TurnManager, n: int, limits=None, check=None) -> float:
+    """abandon(grace=0) of a turn (with `limits`) holding n processes; `check(turn, result)` after."""
+    turn = mgr.begin_turn("bench-abandon", limits=limits)
     proc = turn.spawn(tree_argv(n))
     wait_count(lambda: len(turn.pids()), n)
     t0 = time.perf_counter()
@@ -104,6 +105,8 @@ def cgturn_abandon(mgr: TurnManager, n: int) -> float:
     proc.wait()
     if len(result.killed) != n:
         raise RuntimeError(f"{mgr.backend_name}: killed {len(result.killed)} of {n}")
+    if check is not None:
+        check(turn, result)
     return elapsed
 
 

@@ -27,7 +27,7 @@ import uuid
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from bench import destroy, floor_abandon, tree_argv, wait_count  # noqa: E402
+from bench import cgturn_abandon, destroy, floor_abandon  # noqa: E402
 
 from cgturn import Limits, TurnManager, discover_host  # noqa: E402
 from cgturn.kernel.cgroupfs import Cgroup  # noqa: E402
@@ -50,20 +50,12 @@ def churn(mgr: TurnManager, seconds: float, limits: Limits | None) -> float:
 
 def limited_abandon(mgr: TurnManager, n: int) -> float:
     """abandon(grace=0) of a limited turn holding n processes: kill, wait, usage read, v1 removal."""
-    turn = mgr.begin_turn("bench-abandon", limits=Limits(memory_max=LIMITS.memory_max, pids_max=n + 50,
-                                                         cpus=LIMITS.cpus))
-    dirs = mgr.backend.layout.v1_dirs(*turn.key)
-    proc = turn.spawn(tree_argv(n))
-    wait_count(lambda: len(turn.pids()), n)
-    t0 = time.perf_counter()
-    result = turn.abandon("bench", grace=0)
-    elapsed = time.perf_counter() - t0
-    proc.wait()
-    if len(result.killed) != n or result.usage is None:
-        raise RuntimeError(f"killed {len(result.killed)} of {n}, usage {result.usage}")
-    if any(os.path.exists(d) for d in dirs.values()):
-        raise RuntimeError(f"v1 directories left behind: {dirs}")
-    return elapsed
+    def check(turn, result):
+        dirs = mgr.backend.layout.v1_dirs(*turn.key)
+        if result.usage is None or any(os.path.exists(d) for d in dirs.values()):
+            raise RuntimeError(f"usage {result.usage}; v1 directories left behind: {dirs}")
+
+    return cgturn_abandon(mgr, n, Limits(memory_max=LIMITS.memory_max, pids_max=n + 50, cpus=LIMITS.cpus), check)
 
 
 def remove_v1(mgr: TurnManager) -> None:
