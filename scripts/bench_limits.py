@@ -59,10 +59,13 @@ def limited_abandon(mgr: TurnManager, n: int) -> float:
 
 
 def remove_v1(mgr: TurnManager) -> None:
-    """The managed root's v1 directories (on a hybrid host), after `destroy` removed its cgroup2 tree."""
+    """The managed root's v1 directories (on a hybrid host), after `destroy` removed its cgroup2 tree,
+    and the mirror of its parent `cgturn-bench-*` that the library made on the way (it removes only
+    the root's own)."""
     for path in mgr.backend.layout.v1_dirs().values():
-        if "cgturn-bench" in path:
-            Cgroup(path).remove_tree(timeout=2.0)
+        for directory in (path, os.path.dirname(path)):
+            if os.path.basename(directory).startswith("cgturn-bench-") or "/cgturn-bench-" in directory:
+                Cgroup(directory).remove_tree(timeout=2.0)
 
 
 def main() -> int:
