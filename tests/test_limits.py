@@ -561,9 +561,10 @@ def test_decide_places():
               "cpuacct": "/sys/fs/cgroup/cpu"}
     own = {"memory": "/process_api/abc", "pids": "/", "cpu": "/"}
     places, problems = controllers.decide_places([], mounts, own, "svc/cgturn")
-    assert places == {"memory": Place(V1, "/sys/fs/cgroup/memory/process_api/abc/svc/cgturn"),
-                      "pids": Place(V1, "/sys/fs/cgroup/pids/svc/cgturn"),
-                      "cpu": Place(V1, "/sys/fs/cgroup/cpu/svc/cgturn")} and problems == []
+    assert places == {"memory": Place(V1, "/sys/fs/cgroup/memory/process_api/abc/svc/cgturn",
+                                      "/sys/fs/cgroup/memory/process_api/abc"),
+                      "pids": Place(V1, "/sys/fs/cgroup/pids/svc/cgturn", "/sys/fs/cgroup/pids"),
+                      "cpu": Place(V1, "/sys/fs/cgroup/cpu/svc/cgturn", "/sys/fs/cgroup/cpu")} and problems == []
     assert controllers.layout_name(places) == "v1-hybrid"
     places, problems = controllers.decide_places(["memory", "pids", "cpu", "io"], mounts, own, "x")
     assert places == V2_PLACES and problems == [] and controllers.layout_name(places) == "v2"
@@ -577,7 +578,7 @@ def test_decide_places():
 
 
 def test_place_json_round_trip_and_refusals():
-    for place in (Place(V2), Place(V1, "/a/b")):
+    for place in (Place(V2), Place(V1, "/a/b"), Place(V1, "/a/b", "/a")):
         assert Place.from_json(place.to_json()) == place
     for bad in ({"version": "v3"}, {"version": "v1"}, {"version": "v1", "path": 5}, {}):
         with pytest.raises(ValueError):
@@ -658,3 +659,21 @@ def test_ps_json_shows_limits_and_figures(mgr, state_dir):
     check(row)
     busy.kill()
     turn.abandon("test", grace=0)
+
+
+def test_a_root_below_an_intermediate_directory_leaves_no_v1_directory(cgroup2_root, state_dir):
+    """The v1 copies of the directories between the caller's own v1 cgroup and the managed root are
+    made by cgturn, so remove_root removes them too once empty."""
+    os.mkdir(cgroup2_root)
+    root = os.path.join(cgroup2_root, "main")
+    mgr = TurnManager(root=root, backend="cgroup2", state_dir=state_dir)
+    try:
+        _v1_hybrid(mgr)
+        mgr.set_limits(Limits(pids_max=100))
+        intermediate = v1_dirs(mgr)
+        assert all(os.path.isdir(path) for path in intermediate.values())
+        assert mgr.remove_root()
+        for path in intermediate.values():
+            assert not os.path.exists(path) and not os.path.exists(os.path.dirname(path)), path
+    finally:
+        mgr.close()

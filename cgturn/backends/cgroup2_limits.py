@@ -142,10 +142,19 @@ class Layout:
                 Cgroup(directory).create()
 
     def remove_v1_dirs(self, *names: str) -> bool:
-        """Remove the v1 directories of a turn, task or (no names) the root; True when all are gone."""
+        """Remove the v1 directories of a turn, task or (no names) the root; True when all are gone.
+
+        For the root, the directories `make_v1_dirs` made between it and the caller's own v1 cgroup
+        go too, once empty (another managed root below them keeps them)."""
         ok = True
-        for path in self.v1_dirs(*names).values():
+        for controller, path in self.v1_dirs(*names).items():
             ok = Cgroup(path).remove_tree(timeout=2.0) and ok
+            base = self.places()[controller].base
+            if names or not ok or base is None:
+                continue
+            parent = os.path.dirname(path)
+            while parent.startswith(base.rstrip("/") + "/") and Cgroup(parent).remove_if_empty():
+                parent = os.path.dirname(parent)
         return ok
 
     def own_v1_dirs(self) -> dict[str, str]:

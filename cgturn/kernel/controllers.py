@@ -37,16 +37,18 @@ class Place:
 
     version: str
     path: str | None = None
+    base: str | None = None  # v1: the creating process's own cgroup there, below which `path` lies
 
     def to_json(self) -> dict:
-        return {"version": self.version, "path": self.path}
+        return {"version": self.version, "path": self.path, "base": self.base}
 
     @classmethod
     def from_json(cls, data: dict) -> "Place":
-        version, path = data.get("version"), data.get("path")
-        if version not in (V1, V2) or (version == V1 and not isinstance(path, str)):
+        version, path, base = data.get("version"), data.get("path"), data.get("base")
+        if version not in (V1, V2) or (version == V1 and not isinstance(path, str)) \
+                or not (base is None or isinstance(base, str)):
             raise ValueError(f"not a controller place: {data!r}")
-        return cls(version, path)
+        return cls(version, path, base)
 
 
 def needed_controllers(limits: Limits) -> set[str]:
@@ -82,9 +84,8 @@ def decide_places(v2_available: list[str], v1_mount_points: dict[str, str], own_
         if controller in v2_available:
             places[controller] = Place(V2)
         elif controller in v1_mount_points and controller in own_v1:
-            own = own_v1[controller]
-            path = os.path.normpath(os.path.join(v1_mount_points[controller], own.lstrip("/"), relative_root))
-            places[controller] = Place(V1, path)
+            own = os.path.normpath(os.path.join(v1_mount_points[controller], own_v1[controller].lstrip("/")))
+            places[controller] = Place(V1, os.path.normpath(os.path.join(own, relative_root)), own)
         elif controller in v1_mount_points:
             problems.append(f"{controller}: the caller's cgroup in the v1 {controller} hierarchy is not visible")
         else:
