@@ -89,9 +89,11 @@ def decide_places(v2_available: list[str], v1_mount_points: dict[str, str], own_
         elif controller in v1_mount_points:
             problems.append(f"{controller}: the caller's cgroup in the v1 {controller} hierarchy is not visible")
         else:
+            # systemd's DelegateSubgroup= alone puts the caller in a leaf but enables nothing for the
+            # unit's children (systemd 257): enter-leaf does that, from the leaf.
             problems.append(f"{controller}: not delegated to the managed root's parent in cgroup v2 (enable "
-                            f"it in the parent's cgroup.subtree_control, e.g. systemd Delegate=yes with "
-                            f"DelegateSubgroup=, or contrib/enter-leaf), and no v1 hierarchy has it")
+                            f"it in the parent's cgroup.subtree_control from a leaf, e.g. systemd Delegate=yes "
+                            f"with DelegateSubgroup= and contrib/enter-leaf), and no v1 hierarchy has it")
     return places, problems
 
 
