@@ -1,10 +1,10 @@
-"""Prometheus exposition (a face): turns by state, per-turn processes/cpu/memory, and kills from the
-audit log.
+"""Prometheus exposition (a face): turns by state, per-turn processes/cpu/memory/limit figures/pressure,
+and kills, limit events and guard actions from the audit log.
 
-Kill counters and the abandon-latency histogram are derived from `<state_dir>/audit.jsonl`, not from
-this process's own actions, so kills done by any process (owner, sentinel, CLI) count. The log is read
-incrementally; counters only ever grow within one exporter's life (a rotated or truncated log is read
-from its start and added on), as Prometheus counters must.
+Kill counters, the abandon-latency histogram, limit events and guard actions are derived from
+`<state_dir>/audit.jsonl`, not from this process's own actions, so what any process did (owner,
+sentinel, CLI) counts. The log is read incrementally; counters only ever grow within one exporter's
+life (a rotated or truncated log is read from its start and added on), as Prometheus counters must.
 
 Read-only: collecting never recovers, kills or moves anything.
 """
@@ -28,16 +28,25 @@ from .model import STATES, TurnInfo
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Longest audit line read (bytes): a record of 100,000 pids is ~0.8 MB; ids and reasons are bounded.
 MAX_LINE = 4 * 1024 * 1024
+# Limit events (`action: limit` records) by reason; both series exist from the start.
+LIMIT_REASONS = ("oom", "pids-max")
+# The pressure guard (issue 13) records `freeze` and `thaw`, and abandons with this reason; a turn
+# paused or killed by anyone else is not a guard action.
+GUARD_REASON = "pressure"
+GUARD_ACTIONS = ("freeze", "thaw", "abandon")
+PRESSURE_RESOURCES = ("cpu", "memory", "io")
 
 log = logging.getLogger("cgturn")
 
 
 class AuditTail:
-    """Kill counts and latencies from an audit log, read from where the last call stopped.
+    """Kill counts and latencies, limit events and guard actions from an audit log, read from where the
+    last call stopped.
 
     The log is writable by others, so nothing in it is trusted: a line that is not a JSON object with
-    the fields and types of a record (a string reason, a list of int pids, a finite duration >= 0),
-    or is longer than MAX_LINE bytes, is skipped and counted in `malformed`; a log that is not a
+    the fields and types of a record (a string reason; for a kill a list of int pids and a finite
+    duration >= 0; for a limit event a whole `count` >= 0), or is longer than MAX_LINE bytes, is
+    skipped and counted in `malformed`; a log that is not a
     regular file (a FIFO, a symlink to /dev/zero) is not read at all (logged).
 
     Args:
@@ -51,6 +60,8 @@ class AuditTail:
         self.killed_processes: dict[str, int] = {}
         self.bucket_counts = [0] * (len(self.buckets) + 1)   # the last one is +Inf
         self.latency_sum = 0.0
+        self.limit_events: dict[str, int] = dict.fromkeys(LIMIT_REASONS, 0)
+        self.guard_actions: dict[str, int] = dict.fromkeys(GUARD_ACTIONS, 0)
         self.malformed = 0
         self._inode: int | None = None
         self._offset = 0
@@ -104,13 +115,20 @@ class AuditTail:
         return data
 
     def _add(self, line: bytes) -> None:
-        record = parse_kill(line)
+        record = parse_record(line)
         if record is None:
             self.malformed += 1
             return
-        if not record:
-            return  # another action (e.g. a limit event): not a kill
-        reason, npids, seconds = record
+        action, reason = record[0], record[1]
+        if action == "limit":
+            self.limit_events[reason] = self.limit_events.get(reason, 0) + record[2]
+        elif action in ("freeze", "thaw") and reason == GUARD_REASON:
+            self.guard_actions[action] += 1
+        if action != "kill":
+            return
+        npids, seconds = record[2], record[3]
+        if reason == GUARD_REASON:
+            self.guard_actions["abandon"] += 1
         self.kills[reason] = self.kills.get(reason, 0) + 1
         self.killed_processes[reason] = self.killed_processes.get(reason, 0) + npids
         self.latency_sum += seconds
@@ -130,9 +148,11 @@ class AuditTail:
         return out
 
 
-def parse_kill(line: bytes) -> tuple[str, int, float] | tuple[()] | None:
-    """(reason, number of pids, duration in seconds) of a kill record; () for a well-formed record of
-    another action; None for anything malformed."""
+def parse_record(line: bytes) -> tuple | None:
+    """What one audit line says, or None when it is malformed:
+    `("kill", reason, number of pids, duration in seconds)`, `("limit", reason, count)` (the counter
+    increase it records; 1 when absent), or `(action, reason)` for any other action (reason "" when
+    absent)."""
     try:
         record = json.loads(line)
     except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the parser's limit
@@ -140,18 +160,24 @@ def parse_kill(line: bytes) -> tuple[str, int, float] | tuple[()] | None:
     if not isinstance(record, dict):
         return None
     action = record.get("action", "kill")  # a record without `action` is a kill
-    if not isinstance(action, str):
+    reason = record.get("reason", "" if action not in ("kill", "limit") else None)
+    if not isinstance(action, str) or not isinstance(reason, str):
         return None
+    if action == "limit":
+        count = record.get("count", 1)
+        if not reason or isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            return None
+        return action, reason, count
     if action != "kill":
-        return ()
-    reason, pids, duration = record.get("reason"), record.get("pids", []), record.get("duration_ms", 0.0)
-    if not isinstance(reason, str) or not reason:
+        return action, reason
+    pids, duration = record.get("pids", []), record.get("duration_ms", 0.0)
+    if not reason:
         return None
     if not isinstance(pids, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in pids):
         return None
     if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not 0 <= duration < math.inf:
         return None  # NaN fails the comparison too
-    return reason, len(pids), duration / 1000.0
+    return action, reason, len(pids), duration / 1000.0
 
 
 class TurnCollector:
@@ -191,6 +217,7 @@ class TurnCollector:
         for state, n in counts.items():
             by_state.add_metric([state], n)
         yield from (by_state, procs, cpu, mem, ports)
+        yield from _governance_metrics(turns)
         yield from self._audit_metrics()
 
     def _audit_metrics(self):
@@ -207,7 +234,37 @@ class TurnCollector:
                                         f"Audit log lines skipped: not a record, wrong field types, or over "
                                         f"{MAX_LINE} bytes.")
         malformed.add_metric([], self.audit.malformed)
-        yield from (kills, killed, latency, malformed)
+        limits = CounterMetricFamily("cgturn_limit_events",
+                                     "Limits the kernel enforced on turns (audit `limit` records: OOM kills, "
+                                     "refused forks), by reason.", labels=["reason"])
+        for reason, n in sorted(self.audit.limit_events.items()):
+            limits.add_metric([reason], n)
+        guard = CounterMetricFamily("cgturn_guard_actions", "What the pressure guard did to turns, by action.",
+                                    labels=["action"])
+        for action, n in self.audit.guard_actions.items():
+            guard.add_metric([action], n)
+        yield from (kills, killed, latency, malformed, limits, guard)
+
+
+def _governance_metrics(turns: list[TurnInfo]):
+    """Per-turn figures of resource governance: OOM kills, peak memory, pressure (absent when unknown)."""
+    oom = CounterMetricFamily("cgturn_turn_oom_kills", "Processes of a turn the kernel OOM-killed.",
+                              labels=["task", "turn"])
+    peak = GaugeMetricFamily("cgturn_turn_memory_peak_bytes", "Peak memory of a turn (memory.peak, v1 "
+                             "memory.max_usage_in_bytes).", labels=["task", "turn"])
+    pressure = GaugeMetricFamily("cgturn_turn_pressure_some_avg10",
+                                 "Share of the last 10 s some of a turn's processes stalled on a resource "
+                                 "(PSI avg10, percent).", labels=["task", "turn", "resource"])
+    for info in turns:
+        if info.usage is not None:
+            oom.add_metric([info.task, info.turn], info.usage.oom_kills)
+            if info.usage.memory_peak_bytes is not None:
+                peak.add_metric([info.task, info.turn], info.usage.memory_peak_bytes)
+        for resource in PRESSURE_RESOURCES:
+            figures = (info.pressure or {}).get(resource)
+            if figures is not None:
+                pressure.add_metric([info.task, info.turn, resource], figures["some_avg10"])
+    yield from (oom, peak, pressure)
 
 
 def make_registry(list_turns: Callable[[], list[TurnInfo]], state_dir: str) -> CollectorRegistry:

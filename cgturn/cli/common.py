@@ -49,17 +49,24 @@ def add_json_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
-def id_arg(what: str):
-    """An argparse `type` for a task or turn id: blank, NUL or non-UTF-8 ids are usage errors (exit 2)."""
-    from .. import ids
-
-    def parse(text: str) -> str:
+def library_arg(parse, what: str):
+    """An argparse `type` from a library parser that raises ValueError (`cgturn.limits.parse_size`, ...):
+    bad input becomes a usage error (exit 2) while parsing, before anything is created."""
+    def convert(text: str):
         try:
-            return ids.validate(text, what)
+            return parse(text)
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
-    parse.__name__ = f"{what} id"
-    return parse
+    convert.__name__ = what
+    return convert
+
+
+def id_arg(what: str):
+    """An argparse `type` for a task or turn id: blank, NUL or non-UTF-8 ids are usage errors (exit 2)."""
+    def validate(text: str) -> str:
+        from .. import ids
+        return ids.validate(text, what)
+    return library_arg(validate, f"{what} id")
 
 
 def non_negative_seconds(text: str) -> float:
@@ -79,6 +86,55 @@ def positive_seconds(text: str) -> float:
     if value == 0:
         raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
     return value
+
+
+def _limit_parser(name: str):
+    def parse(text: str):
+        from .. import limits  # loaded when a limit option is given, not for every command
+        return getattr(limits, name)(text)
+    return parse
+
+
+# (option, Limits field, library parser, help): the limit options `run` and `limits` share.
+LIMIT_OPTIONS = (
+    ("--memory", "memory_max", "parse_size", "hard memory limit: bytes, K/M/G/T (powers of 1024) or max"),
+    ("--memory-high", "memory_high", "parse_size", "memory throttling threshold (cgroup v2 only)"),
+    ("--swap", "swap_max", "parse_size", "swap on top of memory (on cgroup v1 needs --memory)"),
+    ("--pids", "pids_max", "parse_pids", "processes and threads at once: N >= 1 or max"),
+    ("--cpus", "cpus", "parse_cpus", "CPU time as cores, e.g. 0.5 or 2, or max"),
+    ("--cpu-weight", "cpu_weight", "parse_weight", "share under contention, 1-10000 (100 = default)"),
+)
+
+
+def add_limit_options(parser: argparse.ArgumentParser) -> None:
+    """--memory, --memory-high, --swap, --pids, --cpus, --cpu-weight, checked while parsing."""
+    for option, field, parse, text in LIMIT_OPTIONS:
+        metavar = "N" if parse in ("parse_pids", "parse_weight") else "F" if parse == "parse_cpus" else "SIZE"
+        parser.add_argument(option, dest=field, metavar=metavar, help=text,
+                            type=library_arg(_limit_parser(parse), option.lstrip("-")))
+
+
+def limits_from_args(args):
+    """The `cgturn.Limits` the limit options ask for, or None when none was given.
+
+    Raises:
+        ValueError: the values contradict each other (e.g. --memory-high above --memory).
+    """
+    given = {field: getattr(args, field) for _, field, _, _ in LIMIT_OPTIONS if getattr(args, field) is not None}
+    if not given:
+        return None
+    from .. import Limits
+    return Limits(**given)
+
+
+def format_size(value) -> str:
+    """Bytes as people read a limit: `512 MiB`, `1.5 GiB`, `100 B`; "max" and None as given."""
+    if value is None or isinstance(value, str):
+        return "-" if value is None else value
+    for unit, scale in (("TiB", 1024 ** 4), ("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if value >= scale:
+            return f"{value / scale:.1f}".removesuffix(".0") + f" {unit}"
+    return f"{value} B"
 
 
 def make_manager(args, recover: bool = False):

@@ -1,4 +1,5 @@
-"""`cgturn doctor`: what the host offers and which backend cgturn would use, with reasons."""
+"""`cgturn doctor`: what the host offers, which backend cgturn would use, and which resource limits it can
+set here (and through which cgroup layout), with reasons."""
 from __future__ import annotations
 
 from . import common
@@ -32,4 +33,18 @@ def run(args) -> int:
         print(f"controllers:    {' '.join(data['controllers']) or '-'}")
         for problem in data["problems"]:
             print(f"problem:        {problem}")
+        print(format_limits(data["limits"]))
     return common.EXIT_OK if data["usable"] else common.EXIT_FAILED
+
+
+def format_limits(section: dict) -> str:
+    """The `limits` section in words: through which layout limits are set, which ones, and why any
+    are missing."""
+    layouts = {"v2": "cgroup v2 controllers", "v1-hybrid": "cgroup v1 hierarchies (hybrid host)"}
+    if section["layout"] is None:
+        lines = ["limits:         unavailable"]
+    else:
+        available = " ".join(section["available"]) or "none"
+        lines = [f"limits:         {available} (through {layouts.get(section['layout'], section['layout'])})"]
+    lines += [f"limits problem: {problem}" for problem in section["problems"]]
+    return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""`cgturn ps [--task T] [--json]`: one row per turn — state, processes, age, cpu, memory, ports, owner.
+"""`cgturn ps [--task T] [--json]`: one row per turn — state, processes, age, cpu, memory (and its limit),
+ports, owner, and the limits the kernel enforced on it.
 
 Read-only: it never recovers, kills or moves anything.
 """
@@ -37,15 +38,38 @@ def snapshot(args, manager=None) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    """The human-readable table of `rows` (what `ps` and `watch` print)."""
+    """The human-readable table of `rows` (what `ps` and `watch` print). MEM is used/limit when the
+    turn has a memory limit; an EVENTS column (OOM kills, refused forks, frozen) appears when any
+    turn has one."""
     header = ("TASK", "TURN", "STATE", "PIDS", "AGE", "CPU", "MEM", "PORTS", "OWNER")
+    events = [_events(row) for row in rows]
+    if any(events):
+        header += ("EVENTS",)
     lines = [header]
-    for row in rows:
-        lines.append((row["task"], row["turn"], row["state"], _pids(row["pids"]), _age(row["age_seconds"]),
-                      f"{row['cpu_seconds']:.2f}s", _bytes(row["memory_bytes"]), _ports(row["ports"]),
-                      str(row["owner_pid"] or "-")))
+    for row, note in zip(rows, events):
+        line = (row["task"], row["turn"], row["state"], _pids(row["pids"]), _age(row["age_seconds"]),
+                f"{row['cpu_seconds']:.2f}s", _memory(row), _ports(row["ports"]), str(row["owner_pid"] or "-"))
+        lines.append(line + (note or "-",) if len(header) > len(line) else line)
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(str(cell).ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def _memory(row: dict) -> str:
+    limit = (row["limits"] or {}).get("memory_max")
+    used = _bytes(row["memory_bytes"])
+    return f"{used}/{_bytes(limit)}" if limit is not None else used
+
+
+def _events(row: dict) -> str:
+    """What the kernel enforced on the turn, and whether it is frozen: `oom:1,pids-max:3,frozen`."""
+    out = []
+    if row["oom_kills"]:
+        out.append(f"oom:{row['oom_kills']}")
+    if row["pids_max_hits"]:
+        out.append(f"pids-max:{row['pids_max_hits']}")
+    if row["frozen"]:
+        out.append("frozen")
+    return ",".join(out)
 
 
 def _pids(pids: list[int]) -> str:

@@ -3,8 +3,12 @@
 Exit status: CMD's own code; 128+N if it died of signal N; 127 not found; 126 not executable; 124 when
 `--timeout` abandoned the turn; 130/143/129 when `cgturn run` itself got SIGINT/SIGTERM/SIGHUP before
 the turn completed (the turn is then abandoned, even if CMD exited first from the same Ctrl-C); 125
-when no sentinel could be started (CMD would not be guarded against our death; CGTURN_SENTINEL=0 runs
-it without one).
+when `cgturn run` itself cannot start CMD: no sentinel could be started (CMD would not be guarded
+against our death; CGTURN_SENTINEL=0 runs it without one), a limit cannot be enforced here
+(`LimitsUnavailable`), or the turn could not be made or joined. Never 1: that is CMD's own.
+
+When the kernel enforced a limit on the turn (an OOM kill, a refused fork) one stderr line says so
+(`... hit its memory limit ...`, `... hit its pids limit ...`); the status stays CMD's.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import signal
 import sys
 
 from .. import reasons
-from ..errors import SentinelUnavailable
+from ..errors import CgturnError, TurnExists
 from . import common
 
 DEFAULT_TASK = "cli"
@@ -37,6 +41,7 @@ def register(sub) -> None:
                    help="seconds between SIGTERM and SIGKILL when abandoning (default 2)")
     p.add_argument("--reap-on-exit", action="store_true",
                    help="abandon the turn when CMD exits, killing what it left running")
+    common.add_limit_options(p)
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
     p.set_defaults(handler=run)
 
@@ -45,26 +50,36 @@ def run(args) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise ValueError("run needs a command after --")
+    limits = common.limits_from_args(args)  # contradictions exit 2 here, before a sentinel or a turn
     from .. import attach_sentinel  # supervision pulls in asyncio: only `run` pays for it
 
-    manager = common.make_manager(args)
+    try:
+        manager = common.make_manager(args)
+    except CgturnError as err:
+        return _cannot_start(cmd, err)
     try:
         # Started before the turn exists, so the turn is guarded against our death from its first
         # moment (a SIGKILLed `cgturn run` must not leave CMD running). Without a sentinel that
         # promise cannot be kept: refuse to start CMD rather than run it unguarded.
         try:
             attach_sentinel(manager)
-        except SentinelUnavailable as err:
-            print(f"cgturn: {err}", file=sys.stderr)
-            return EXIT_CANNOT_START
-        turn = manager.begin_turn(args.task, args.turn)
-        return _supervise(turn, cmd, args.timeout, args.grace, args.reap_on_exit)
+            turn = manager.begin_turn(args.task, args.turn, limits=limits)
+        except TurnExists:
+            raise  # bad input (exit 2), not a failure to start
+        except CgturnError as err:  # SentinelUnavailable, LimitsUnavailable, ...: CMD never started
+            return _cannot_start(cmd, err)
+        return _supervise(turn, cmd, args.timeout, args.grace, args.reap_on_exit, limits)
     finally:
         manager.close()
 
 
-def _supervise(turn, cmd: list[str], timeout: float | None, grace: float, reap_on_exit: bool) -> int:
-    """Run CMD in the turn under a Supervisor; map its outcome to the exit status.
+def _cannot_start(cmd: list[str], err: CgturnError) -> int:
+    print(f"cgturn: cannot start {cmd[0]}: {err}", file=sys.stderr)
+    return EXIT_CANNOT_START
+
+
+def _supervise(turn, cmd: list[str], timeout: float | None, grace: float, reap_on_exit: bool, limits) -> int:
+    """Run CMD in the turn under a Supervisor; report limit hits; map its outcome to the exit status.
 
     `--timeout` is the supervisor's inactivity timeout with no activity source, i.e. wall-clock time
     since start (reason `timeout`); the sentinel holds it too, so a SIGSTOPped `cgturn run` still
@@ -73,6 +88,7 @@ def _supervise(turn, cmd: list[str], timeout: float | None, grace: float, reap_o
     from .. import Supervisor
 
     received: list[int] = []
+    figures: list = []  # the turn's Usage, read by the worker once CMD exited
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum)) for sig in FORWARDED}
@@ -89,7 +105,13 @@ def _supervise(turn, cmd: list[str], timeout: float | None, grace: float, reap_o
             sup.stop(reasons.NOT_EXECUTABLE, grace=0, interrupt=False)
             print(f"cgturn: {cmd[0]}: permission denied", file=sys.stderr)
             return EXIT_NOT_EXECUTABLE
-        outcome = sup.run_blocking(_worker, sup, proc, wake_r, received, reap_on_exit)
+        except CgturnError as err:  # the process could not be put into the turn or its limits
+            sup.stop(reasons.ERROR, grace=0, interrupt=False)
+            return _cannot_start(cmd, err)
+        outcome = sup.run_blocking(_worker, sup, turn, proc, wake_r, received, reap_on_exit, figures)
+        usage = figures[0] if figures else getattr(outcome.abandon, "usage", None)
+        for line in limit_messages(usage, limits):
+            print(f"cgturn: {line}", file=sys.stderr)
         if outcome.completed or outcome.reason == reasons.REAP_ON_EXIT:
             code = outcome.result if outcome.completed else proc.returncode
             return code if code >= 0 else 128 - code
@@ -107,12 +129,14 @@ def _supervise(turn, cmd: list[str], timeout: float | None, grace: float, reap_o
         os.close(wake_w)
 
 
-def _worker(sup, proc, wake_fd: int, received: list[int], reap_on_exit: bool) -> int | None:
+def _worker(sup, turn, proc, wake_fd: int, received: list[int], reap_on_exit: bool, figures: list) -> int | None:
     """The supervised worker: wait for CMD; a signal to us, or --reap-on-exit, abandons the turn
     before the worker returns (returning normally completes it)."""
     code = _wait(proc, wake_fd, received)
     if code is None:
         return None  # the watchdog abandoned the turn (timeout): the outcome is already decided
+    # Before the turn completes or is abandoned: completing removes an empty turn, and its figures with it.
+    figures.append(_read_usage(turn))
     # CMD exited. A signal that reached us first (the same Ctrl-C, often) still abandons the turn:
     # block further delivery, let handlers of signals already delivered run, then decide.
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
@@ -123,6 +147,39 @@ def _worker(sup, proc, wake_fd: int, received: list[int], reap_on_exit: bool) ->
     elif reap_on_exit:
         sup.stop(reasons.REAP_ON_EXIT, interrupt=False)
     return code
+
+
+def _read_usage(turn):
+    """The turn's Usage, after auditing any limit the kernel enforced on it (`action: limit`, once per
+    counter increase); None when the figures cannot be read (they never change CMD's status)."""
+    try:
+        turn.manager.check_limits(turn)
+        return turn.usage()
+    except CgturnError as err:
+        print(f"cgturn: warning: cannot read the turn's figures: {err}", file=sys.stderr)
+        return None
+
+
+def limit_messages(usage, limits) -> list[str]:
+    """One line per limit the kernel enforced on the turn (`usage`), naming the turn's own limit from
+    `limits` when it set one (else the hit came from its task's or the managed root's budget)."""
+    if usage is None:
+        return []
+    lines = []
+    if usage.oom_kills:
+        value = limits.memory_max if limits is not None else None
+        which = f"its memory limit ({common.format_size(value)})" if isinstance(value, int) else \
+            "a memory limit (its task's or the managed root's)"
+        lines.append(f"the turn hit {which}: {_count(usage.oom_kills, 'process', 'processes')} OOM-killed")
+    if usage.pids_max_hits:
+        value = limits.pids_max if limits is not None else None
+        which = f"its pids limit ({value})" if isinstance(value, int) else "a pids limit"
+        lines.append(f"the turn hit {which}: {_count(usage.pids_max_hits, 'fork', 'forks')} refused")
+    return lines
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def _poke(fd: int) -> None:
