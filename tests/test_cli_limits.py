@@ -6,9 +6,11 @@ library places them); every allocation and fork loop here is bounded in size, co
 """
 import json
 import os
+import re
 
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cgturn import Limits, Usage
 from cgturn.cli import main
@@ -18,8 +20,30 @@ from cgturn.cli.limits import format_report
 from cgturn.cli.ps import format_table
 from cgturn.cli.run import limit_messages
 from cgturn.metrics import AuditTail
+from conftest import PY, alive, audit_records, cli, wait_until
 
 MiB = 1024 ** 2
+# Allocates 200 MiB at once: with a 50 MiB limit the kernel OOM-kills it (bounded by the limit itself).
+ALLOCATE = f"{PY} -c 'bytearray(200 * 2**20)'"
+# Forks up to 40 sleepers (each sleeps at most 30 s), stops at the first refused fork, kills and reaps
+# them, prints how many it made, and exits 0.
+FORK_LOOP = """
+import os, time
+kids = []
+for _ in range(40):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    kids.append(pid)
+for pid in kids:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+print(len(kids))
+"""
 
 
 # --- bad input: exit 2, one line, nothing created, no sentinel started ---------------------------------
@@ -149,3 +173,151 @@ def test_audit_tail_counts_limit_events_and_guard_actions(tmp_path):
     assert tail.guard_actions == {"freeze": 1, "thaw": 1, "abandon": 1}
     assert tail.kills == {"pressure": 1, "stop": 1}  # only kill records count as kills
     assert tail.malformed == len(malformed)
+
+
+# --- on the real kernel --------------------------------------------------------------------------------
+
+def _layout(root, state_dir) -> str | None:
+    out = cli(root, state_dir, "doctor", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["limits"]["layout"]
+
+
+def _oom_turn_with_survivor(root, state_dir, task, turn) -> int:
+    """`cgturn run --memory 50M` a shell that leaves a daemon and runs an allocation the kernel
+    OOM-kills; returns the daemon's pid (the turn completes and keeps it)."""
+    out = cli(root, state_dir, "run", "--task", task, "--turn", turn, "--memory", "50M", "--pids", "30",
+              "--cpus", "0.5", "--", "sh", "-c", f"setsid sleep 300 >/dev/null 2>&1 & echo $!; {ALLOCATE}")
+    assert out.returncode == 137, out.stderr  # the shell's status: its child died of SIGKILL
+    assert out.stderr == "cgturn: the turn hit its memory limit (50 MiB): 1 process OOM-killed\n"
+    return int(out.stdout.split()[-1])
+
+
+def test_run_over_its_memory_limit_exits_137_and_says_so(cgroup2_root, state_dir):
+    out = cli(cgroup2_root, state_dir, "run", "--task", "mem", "--turn", "big", "--memory", "50M", "--",
+              "sh", "-c", f"exec {ALLOCATE}")
+    assert out.returncode == 137
+    assert out.stderr == "cgturn: the turn hit its memory limit (50 MiB): 1 process OOM-killed\n"
+    limit_records = [r for r in audit_records(state_dir, "big") if r.get("action") == "limit"]
+    assert [(r["reason"], r["task"], r["count"], r["limit"]) for r in limit_records] == [("oom", "mem", 1, 50 * MiB)]
+
+
+def test_run_at_its_pids_limit_says_so_and_keeps_the_status(cgroup2_root, state_dir):
+    out = cli(cgroup2_root, state_dir, "run", "--task", "forks", "--turn", "loop", "--pids", "20", "--",
+              PY, "-c", FORK_LOOP)
+    assert out.returncode == 0, out.stderr
+    assert 0 < int(out.stdout) < 20  # the limit stopped the loop
+    assert re.fullmatch(r"cgturn: the turn hit its pids limit \(20\): \d+ forks? refused\n", out.stderr), out.stderr
+    assert [r["reason"] for r in audit_records(state_dir, "loop") if r.get("action") == "limit"] == ["pids-max"]
+
+
+def test_ps_shows_the_limits_and_figures_of_real_turns(cgroup2_root, state_dir):
+    survivor = _oom_turn_with_survivor(cgroup2_root, state_dir, "mem", "oom")
+    assert cli(cgroup2_root, state_dir, "run", "--task", "mem", "--turn", "plain", "--", "true").returncode == 0
+    out = cli(cgroup2_root, state_dir, "ps", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = {row["turn"]: row for row in json.loads(out.stdout)}
+    assert set(rows) == {"oom"}  # the plain turn completed empty and was removed
+    row = rows["oom"]
+    assert row["state"] == "completed" and row["pids"] == [survivor]
+    assert row["limits"] == {"memory_max": 50 * MiB, "memory_high": None, "swap_max": None, "pids_max": 30,
+                             "cpus": 0.5, "cpu_weight": None, "oom_group": None}
+    assert row["oom_kills"] == 1 and row["pids_max_hits"] == 0
+    assert 40 * MiB <= row["memory_peak_bytes"] <= 50 * MiB  # the allocation grew to the limit
+    assert isinstance(row["cpu_throttled_seconds"], float) and row["cpu_throttled_seconds"] >= 0
+    assert set(row["pressure"]) == {"cpu", "memory", "io"}
+    for figures in row["pressure"].values():
+        assert figures is None or set(figures) == {"some_avg10", "full_avg10"}
+    assert (row["frozen"], row["expires_at"], row["sealed"], row["network"], row["keys"]) == \
+        (False, None, False, "host", {})
+    table = cli(cgroup2_root, state_dir, "ps").stdout.splitlines()
+    assert table[0].split()[-1] == "EVENTS" and table[1].split()[-1] == "oom:1"
+    assert "/50.0M" in table[1].split()[6]
+    assert cli(cgroup2_root, state_dir, "end", "mem").returncode == 0
+    assert wait_until(lambda: not alive(survivor))
+
+
+def test_metrics_count_a_real_oom_kill(cgroup2_root, state_dir):
+    survivor = _oom_turn_with_survivor(cgroup2_root, state_dir, "mem", "oom")
+    out = cli(cgroup2_root, state_dir, "metrics", "--once")
+    assert out.returncode == 0, out.stderr
+    scraped = {(s.name, frozenset(s.labels.items())): s.value
+               for family in text_string_to_metric_families(out.stdout) for s in family.samples}
+    turn = {("task", "mem"), ("turn", "oom")}
+    assert scraped[("cgturn_turn_oom_kills_total", frozenset(turn))] == 1
+    assert 40 * MiB <= scraped[("cgturn_turn_memory_peak_bytes", frozenset(turn))] <= 50 * MiB
+    assert scraped[("cgturn_limit_events_total", frozenset({("reason", "oom")}))] == 1
+    assert scraped[("cgturn_limit_events_total", frozenset({("reason", "pids-max")}))] == 0
+    for action in ("freeze", "thaw", "abandon"):
+        assert scraped[("cgturn_guard_actions_total", frozenset({("action", action)}))] == 0
+    assert ("cgturn_kills_total", frozenset({("reason", "oom")})) not in scraped  # a limit event is no kill
+    assert cli(cgroup2_root, state_dir, "end", "mem").returncode == 0
+    assert wait_until(lambda: not alive(survivor))
+
+
+def test_limits_show_and_change_at_every_level(cgroup2_root, state_dir, runs):
+    def limits(*args):
+        out = cli(cgroup2_root, state_dir, "limits", *args, "--json")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    root = limits("--memory", "1G", "--pids", "500")
+    assert (root["level"], root["task"], root["turn"]) == ("root", None, None)
+    assert (root["limits"]["memory_max"], root["limits"]["pids_max"]) == (1024 * MiB, 500)
+    assert limits()["limits"] == root["limits"]          # read back by another process
+    assert limits("--memory", "max")["limits"]["memory_max"] is None
+    assert limits()["limits"]["pids_max"] == 500         # what was not given stays
+
+    task = limits("chat", "--cpus", "0.5", "--memory", "256M")
+    assert (task["level"], task["task"], task["turn"]) == ("task", "chat", None)
+    assert limits("chat")["limits"] == task["limits"] and task["limits"]["cpus"] == 0.5
+
+    runs("chat", "t-1")
+    turn = limits("chat", "t-1", "--memory", "64M")
+    assert (turn["level"], turn["task"], turn["turn"]) == ("turn", "chat", "t-1")
+    assert turn["limits"]["memory_max"] == 64 * MiB and turn["usage"]["oom_kills"] == 0
+    rows = json.loads(cli(cgroup2_root, state_dir, "ps", "--json").stdout)
+    assert [row["limits"]["memory_max"] for row in rows] == [64 * MiB]
+    text = cli(cgroup2_root, state_dir, "limits", "chat", "t-1")
+    assert text.returncode == 0 and "memory_max" in text.stdout and "64 MiB" in text.stdout
+
+
+@pytest.mark.parametrize("args", [["limits", "chat", "nosuch"], ["limits", "nosuch"]])
+def test_limits_of_what_does_not_exist_exit_1(cgroup2_root, state_dir, runs, args):
+    runs("chat", "t-1")
+    out = cli(cgroup2_root, state_dir, *args)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and out.stdout == "", out.stderr
+
+
+def test_registry_backend_refuses_limits_with_125_and_runs_nothing(state_dir, tmp_path):
+    marker = tmp_path / "ran"
+    out = cli(None, state_dir, "run", "--memory", "50M", "--", "touch", str(marker), backend="registry",
+              env={**os.environ, "CGTURN_SENTINEL": "0"})
+    assert out.returncode == 125
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("cgturn: cannot start touch: ")
+    assert not marker.exists()
+
+
+def test_a_limit_the_layout_cannot_enforce_exits_125_and_runs_nothing(cgroup2_root, state_dir, tmp_path):
+    if _layout(cgroup2_root, state_dir) != "v1-hybrid":
+        pytest.skip("memory.high exists on cgroup v2: refused only by the v1 layout")
+    marker = tmp_path / "ran"
+    out = cli(cgroup2_root, state_dir, "run", "--task", "t", "--memory-high", "10M", "--", "touch", str(marker))
+    assert out.returncode == 125
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("cgturn: cannot start touch: ")
+    assert not marker.exists()
+    assert json.loads(cli(cgroup2_root, state_dir, "ps", "--json").stdout) == []
+
+
+def test_doctor_shows_the_limits_section(cgroup2_root, state_dir):
+    out = cli(cgroup2_root, state_dir, "doctor", "--json")
+    section = json.loads(out.stdout)["limits"]
+    assert set(section) >= {"layout", "available", "problems"}
+    assert section["layout"] in ("v2", "v1-hybrid", None)
+    text = cli(cgroup2_root, state_dir, "doctor").stdout.splitlines()
+    shown = [line for line in text if line.startswith("limits:")]
+    assert len(shown) == 1
+    for name in section["available"]:
+        assert name in shown[0]
+    assert [line.split(":", 1)[1].strip() for line in text if line.startswith("limits problem:")] == section["problems"]
+    assert not os.path.exists(cgroup2_root)  # doctor stays read-only
