@@ -30,9 +30,10 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 MAX_LINE = 4 * 1024 * 1024
 # Limit events (`action: limit` records) by reason; both series exist from the start.
 LIMIT_REASONS = ("oom", "pids-max")
-# The pressure guard (issue 13) records `freeze` and `thaw`, and abandons with this reason; a turn
-# paused or killed by anyone else is not a guard action.
-GUARD_REASON = "pressure"
+# The pressure guard's actions: its `freeze`/`thaw` records carry reason "guard" (a user's pause says
+# "user"), and it abandons with reason "pressure" (issue 13). What anyone else does is not counted.
+GUARD_BY = "guard"
+GUARD_KILL_REASON = "pressure"
 GUARD_ACTIONS = ("freeze", "thaw", "abandon")
 PRESSURE_RESOURCES = ("cpu", "memory", "io")
 
@@ -122,12 +123,12 @@ class AuditTail:
         action, reason = record[0], record[1]
         if action == "limit":
             self.limit_events[reason] = self.limit_events.get(reason, 0) + record[2]
-        elif action in ("freeze", "thaw") and reason == GUARD_REASON:
+        elif action in ("freeze", "thaw") and reason == GUARD_BY:
             self.guard_actions[action] += 1
         if action != "kill":
             return
         npids, seconds = record[2], record[3]
-        if reason == GUARD_REASON:
+        if reason == GUARD_KILL_REASON:
             self.guard_actions["abandon"] += 1
         self.kills[reason] = self.kills.get(reason, 0) + 1
         self.killed_processes[reason] = self.killed_processes.get(reason, 0) + npids

@@ -40,11 +40,12 @@ def run(args) -> int:
 def format_limits(section: dict) -> str:
     """The `limits` section in words: through which layout limits are set, which ones, and why any
     are missing."""
-    layouts = {"v2": "cgroup v2 controllers", "v1-hybrid": "cgroup v1 hierarchies (hybrid host)"}
+    layouts = {"v2": "cgroup v2 controllers", "v1-hybrid": "the v1 hierarchies of a hybrid host"}
     if section["layout"] is None:
         lines = ["limits:         unavailable"]
     else:
         available = " ".join(section["available"]) or "none"
-        lines = [f"limits:         {available} (through {layouts.get(section['layout'], section['layout'])})"]
+        layout = section["layout"]
+        lines = [f"limits:         {available} (layout {layout}: {layouts.get(layout, layout)})"]
     lines += [f"limits problem: {problem}" for problem in section["problems"]]
     return "\n".join(lines)

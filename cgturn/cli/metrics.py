@@ -47,7 +47,7 @@ def run(args) -> int:
 
     def list_turns():
         with lock:
-            return manager.turns()
+            return manager.turns(detail=True)  # usage and pressure of every turn, for the governance series
 
     try:
         registry = make_registry(list_turns, manager.state_dir)

@@ -88,7 +88,6 @@ def _supervise(turn, cmd: list[str], timeout: float | None, grace: float, reap_o
     from .. import Supervisor
 
     received: list[int] = []
-    figures: list = []  # the turn's Usage, read by the worker once CMD exited
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum)) for sig in FORWARDED}
@@ -108,9 +107,8 @@ def _supervise(turn, cmd: list[str], timeout: float | None, grace: float, reap_o
         except CgturnError as err:  # the process could not be put into the turn or its limits
             sup.stop(reasons.ERROR, grace=0, interrupt=False)
             return _cannot_start(cmd, err)
-        outcome = sup.run_blocking(_worker, sup, turn, proc, wake_r, received, reap_on_exit, figures)
-        usage = figures[0] if figures else getattr(outcome.abandon, "usage", None)
-        for line in limit_messages(usage, limits):
+        outcome = sup.run_blocking(_worker, sup, turn, proc, wake_r, received, reap_on_exit)
+        for line in limit_messages(outcome.usage, limits):  # read before the turn completed or was removed
             print(f"cgturn: {line}", file=sys.stderr)
         if outcome.completed or outcome.reason == reasons.REAP_ON_EXIT:
             code = outcome.result if outcome.completed else proc.returncode
@@ -129,14 +127,14 @@ def _supervise(turn, cmd: list[str], timeout: float | None, grace: float, reap_o
         os.close(wake_w)
 
 
-def _worker(sup, turn, proc, wake_fd: int, received: list[int], reap_on_exit: bool, figures: list) -> int | None:
+def _worker(sup, turn, proc, wake_fd: int, received: list[int], reap_on_exit: bool) -> int | None:
     """The supervised worker: wait for CMD; a signal to us, or --reap-on-exit, abandons the turn
     before the worker returns (returning normally completes it)."""
     code = _wait(proc, wake_fd, received)
     if code is None:
         return None  # the watchdog abandoned the turn (timeout): the outcome is already decided
-    # Before the turn completes or is abandoned: completing removes an empty turn, and its figures with it.
-    figures.append(_read_usage(turn))
+    # Before the turn completes or is abandoned: completing removes an empty turn, and its counters with it.
+    _audit_limits(turn)
     # CMD exited. A signal that reached us first (the same Ctrl-C, often) still abandons the turn:
     # block further delivery, let handlers of signals already delivered run, then decide.
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
@@ -149,15 +147,14 @@ def _worker(sup, turn, proc, wake_fd: int, received: list[int], reap_on_exit: bo
     return code
 
 
-def _read_usage(turn):
-    """The turn's Usage, after auditing any limit the kernel enforced on it (`action: limit`, once per
-    counter increase); None when the figures cannot be read (they never change CMD's status)."""
+def _audit_limits(turn) -> None:
+    """Audit the limits the kernel enforced on the turn (`action: limit`, once per counter increase,
+    whoever notices first). A turn that completes with survivors keeps its cgroup, so completion
+    itself does not audit it: this does. A failure is reported and never changes CMD's status."""
     try:
-        turn.manager.check_limits(turn)
-        return turn.usage()
+        turn.manager.check_limits(*turn.key)
     except CgturnError as err:
-        print(f"cgturn: warning: cannot read the turn's figures: {err}", file=sys.stderr)
-        return None
+        print(f"cgturn: warning: cannot check the turn's limits: {err}", file=sys.stderr)
 
 
 def limit_messages(usage, limits) -> list[str]:
