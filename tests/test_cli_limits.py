@@ -191,6 +191,9 @@ def _oom_turn_with_survivor(root, state_dir, task, turn) -> int:
     assert out.returncode == 137, out.stderr  # the shell's status: its child died of SIGKILL
     ours = [line for line in out.stderr.splitlines() if line.startswith("cgturn:")]  # the shell says "Killed"
     assert ours == ["cgturn: the turn hit its memory limit (50 MiB): 1 process OOM-killed"]
+    # The turn completed with a survivor, so its cgroup (and counters) stay: audited once all the same.
+    assert [(r["reason"], r["count"]) for r in audit_records(state_dir, turn) if r.get("action") == "limit"] == \
+        [("oom", 1)]
     return int(out.stdout.split()[-1])
 
 
@@ -262,6 +265,8 @@ def test_limits_show_and_change_at_every_level(cgroup2_root, state_dir, runs):
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
+    empty = limits()  # reading creates nothing
+    assert empty["level"] == "root" and set(empty["limits"].values()) == {None} and not os.path.exists(cgroup2_root)
     root = limits("--memory", "1G", "--pids", "500")
     assert (root["level"], root["task"], root["turn"]) == ("root", None, None)
     assert (root["limits"]["memory_max"], root["limits"]["pids_max"]) == (1024 * MiB, 500)
@@ -297,6 +302,8 @@ def test_registry_backend_refuses_limits_with_125_and_runs_nothing(state_dir, tm
     assert out.returncode == 125
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("cgturn: cannot start touch: ")
     assert not marker.exists()
+    refused = cli(None, state_dir, "limits", "t", "--pids", "5", backend="registry")
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1 and "cannot enforce limits" in refused.stderr
 
 
 def test_a_limit_the_layout_cannot_enforce_exits_125_and_runs_nothing(cgroup2_root, state_dir, tmp_path):
