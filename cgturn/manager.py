@@ -196,14 +196,19 @@ class TurnManager:
         self.backend.set_task_limits(ids.encode(task_id), limits)
 
     def task_limits(self, task_id: str) -> Limits:
-        """A task's own limits (empty when none)."""
-        ids.validate(task_id, "task")
-        return self.backend.task_limits(ids.encode(task_id))
+        """A task's own limits (empty when none). Raises NoSuchTurn when the task does not exist."""
+        return self.backend.task_limits(self._existing_task(task_id))
 
     def task_usage(self, task_id: str) -> Usage:
-        """What all turns of a task used together."""
+        """What all turns of a task used together. Raises NoSuchTurn when the task does not exist."""
+        return self.backend.task_usage(self._existing_task(task_id))
+
+    def _existing_task(self, task_id: str) -> str:
         ids.validate(task_id, "task")
-        return self.backend.task_usage(ids.encode(task_id))
+        key = ids.encode(task_id)
+        if key not in self.backend.task_keys():
+            raise NoSuchTurn(f"no task {task_id!r}")
+        return key
 
     def limits_report(self) -> dict:
         """`{layout: "v2"|"v1-hybrid"|None, available: [...], problems: [...]}`: which limits this

@@ -7,7 +7,6 @@ turns until `cgturn end`. Exit 1: no such task or turn, or a limit this host can
 """
 from __future__ import annotations
 
-from ..errors import NoSuchTurn
 from . import common
 
 ROOT, TASK, TURN = "root", "task", "turn"
@@ -55,11 +54,7 @@ def apply(manager, task: str | None, turn: str | None, changes) -> dict:
     elif task is not None:
         if changes is not None:
             manager.set_task_limits(task, changes)
-        limits = manager.task_limits(task)
-        # A task exists while it has turns or limits of its own (without either its cgroup is removed).
-        if changes is None and limits.is_empty() and not manager.turns(task):
-            raise NoSuchTurn(f"no task {task!r} (no turns, no limits)")
-        level, usage = TASK, manager.task_usage(task)
+        level, limits, usage = TASK, manager.task_limits(task), manager.task_usage(task)  # NoSuchTurn: exit 1
     else:
         if changes is not None:
             manager.set_limits(changes)
