@@ -22,7 +22,7 @@ def audit_path(state_dir: str) -> str:
 
 
 def record_kill(state_dir: str, *, task: str, turn: str, reason: str, pids: list[int],
-                signals: list[str], duration_ms: float, backend: str) -> dict:
+                signals: list[str], duration_ms: float, backend: str, usage: dict | None = None) -> dict:
     """Write one kill record; returns it. Never raises for the log's sake: the kill already happened
     and must not be reported as failed because the log could not be written. A failing write is
     logged; text that cannot be UTF-8 (a lone surrogate in a reason) is written as a JSON escape."""
@@ -37,6 +37,8 @@ def record_kill(state_dir: str, *, task: str, turn: str, reason: str, pids: list
         "backend": backend,
         "by_pid": os.getpid(),
     }
+    if usage is not None:  # what the turn used and which limits the kernel enforced (cgturn.Usage)
+        entry["usage"] = usage
     _append(state_dir, entry)
     return entry
 

@@ -63,7 +63,8 @@ def kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, stat
     duration_ms = (time.monotonic() - started) * 1000
     if killed:
         audit.record_kill(state_dir, task=rec.task_id, turn=rec.turn_id, reason=reason, pids=sorted(killed),
-                          signals=signals, duration_ms=duration_ms, backend=backend.name)
+                          signals=signals, duration_ms=duration_ms, backend=backend.name,
+                          usage=None if usage is None else usage.to_json())
     return AbandonResult(killed=sorted(killed), skipped=False, reason=reason, signals=signals,
                          duration_ms=duration_ms, usage=usage)
 

@@ -679,3 +679,13 @@ def test_a_root_below_an_intermediate_directory_leaves_no_v1_directory(cgroup2_r
             assert not os.path.exists(path) and not os.path.exists(os.path.dirname(path)), path
     finally:
         mgr.close()
+
+
+def test_the_kill_record_carries_what_the_turn_used(mgr, state_dir):
+    turn = mgr.begin_turn("figures", "t", limits=Limits(pids_max=64))
+    sleeper = turn.spawn(["sleep", "300"])
+    result = turn.abandon("stop", grace=0)
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL
+    kills = [r for r in audit_records(state_dir) if r.get("action", "kill") == "kill" and r["turn"] == "t"]
+    assert len(kills) == 1 and kills[0]["pids"] == [sleeper.pid]
+    assert kills[0]["usage"] == result.usage.to_json() and kills[0]["usage"]["pids_max_hits"] == 0
