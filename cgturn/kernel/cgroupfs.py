@@ -207,11 +207,11 @@ class Cgroup:
     def create(self) -> bool:
         """mkdir this cgroup. True if created, False if it already existed."""
         try:
-            os.mkdir(self.path)
+            self.make()
             return True
         except FileExistsError:
             return False
-        except OSError as err:
+        except FileNotFoundError as err:
             raise translate("mkdir", self.path, err) from err
 
     def make(self) -> None:
