@@ -20,6 +20,7 @@ _EXPORTS = {
     "CgturnError": "errors", "CgroupUnavailable": "errors", "PermissionDenied": "errors", "TurnExists": "errors",
     "NoSuchTurn": "errors", "UnsafeOperation": "errors", "KernelError": "errors", "NoSuchProcess": "errors",
     "AccessDenied": "errors", "RegistryUnavailable": "errors", "LimitsUnavailable": "errors",
+    "Overloaded": "errors", "GuardUnavailable": "errors", "PressureGuard": "guard",
     "Limits": "limits", "Usage": "limits",
     "RecoveryAction": "recovery",
     "HostInfo": "host", "discover_host": "host", "choose_backend": "host", "doctor_report": "host",
@@ -49,9 +50,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from .errors import (AccessDenied, CgroupUnavailable, CgturnError, KernelError, LimitsUnavailable,
-                         NoSuchProcess, NoSuchTurn, PermissionDenied, RegistryUnavailable, TurnExists,
-                         UnsafeOperation)
+    from .errors import (AccessDenied, CgroupUnavailable, CgturnError, GuardUnavailable, KernelError,
+                         LimitsUnavailable, NoSuchProcess, NoSuchTurn, Overloaded, PermissionDenied,
+                         RegistryUnavailable, TurnExists, UnsafeOperation)
+    from .guard import PressureGuard
     from .limits import Limits, Usage
     from .host import HostInfo, choose_backend, discover_host, doctor_report
     from .manager import TurnManager

@@ -62,6 +62,16 @@ class SentinelUnavailable(CgturnError):
     """The sentinel process did not start: turns are not guarded against the owner's death."""
 
 
+class Overloaded(CgturnError):
+    """Admission refused: the pressure guard of the managed root reported pressure for longer than
+    the caller's `admit_timeout`."""
+
+
+class GuardUnavailable(CgturnError):
+    """The pressure guard could not arm its trigger (no PSI file, no permission, the kernel refused),
+    or another live guard owns the managed root."""
+
+
 class KernelError(CgturnError):
     """A cgroupfs or procfs operation failed in a way the caller cannot handle; carries path and data."""
 

@@ -12,7 +12,7 @@ import os
 import time
 from typing import Iterable
 
-from . import ids, listing, reasons
+from . import admission, ids, listing, reasons
 from .backends.base import Backend
 from .errors import AccessDenied, NoSuchProcess, NoSuchTurn, UnsafeOperation
 from .host import choose_backend, discover_host, wanted_backend
@@ -74,16 +74,19 @@ class TurnManager:
         recover: apply the recovery policy now (`recover()`): for a gateway that will own turns.
         sentinel: allow a supervisor to start the out-of-process sentinel for this manager
             (env CGTURN_SENTINEL=0 turns it off; default on). See docs/supervision.md.
+        guard: a `cgturn.PressureGuard`: armed now, in the sentinel (see docs/guard.md).
 
     Constructing a manager creates nothing; the first turn creates the managed root.
 
     Raises:
         ValueError: unknown backend name, or an explicit root that is not a usable path.
         CgroupUnavailable: backend="cgroup2" (or an explicit root) and cgroup v2 cannot be used.
+        GuardUnavailable: the guard could not arm its trigger (the reason is in the message).
     """
 
     def __init__(self, root: str | None = None, backend: str | Backend | None = None,
-                 state_dir: str | None = None, recover: bool = False, sentinel: bool | None = None):
+                 state_dir: str | None = None, recover: bool = False, sentinel: bool | None = None,
+                 guard=None):
         self.state_dir = state_dir or os.environ.get("CGTURN_STATE_DIR") or default_state_dir()
         if isinstance(backend, Backend):
             self.backend = backend
@@ -91,8 +94,11 @@ class TurnManager:
             self.backend = choose_backend(discover_host(root), wanted_backend(backend), self.state_dir)
         self.sentinel_enabled = _sentinel_setting(sentinel)
         self.events = Listeners()
+        self.guard = guard
         if recover:
             self.recover()
+        if guard is not None:
+            guard.attach(self)  # a callback, so ownership never imports the supervision layer
 
     def __repr__(self) -> str:
         return f"<TurnManager backend={self.backend.name} at {self.backend.location}>"
@@ -129,21 +135,29 @@ class TurnManager:
 
     # --- turns ------------------------------------------------------------------------------------
 
-    def begin_turn(self, task_id: str, turn_id: str | None = None, *, limits: Limits | None = None) -> Turn:
+    def begin_turn(self, task_id: str, turn_id: str | None = None, *, limits: Limits | None = None,
+                   admit_timeout: float | None = None) -> Turn:
         """Start a turn owned by the calling process.
 
         Args:
             limits: what the turn may use (cgturn.Limits); its processes are inside them before
                 their target program runs. On cgroup v2 an OOM kills the whole turn unless
                 `oom_group=False`.
+            admit_timeout: while the managed root's pressure guard reports pressure, wait up to this
+                many seconds for it to clear (None: start at once, as with no guard armed).
 
         Raises:
+            Overloaded: the guard still reported pressure after `admit_timeout` s; nothing was created.
             ValueError: blank or invalid task/turn id.
             TurnExists: the turn id is taken (running, or completed with survivors).
             LimitsUnavailable: a limit cannot be enforced here; nothing was created.
         """
         ids.validate(task_id, "task")
         turn_id = ids.new_turn_id() if turn_id is None else ids.validate(turn_id, "turn")
+        if admit_timeout is not None:
+            deadline = admission.deadline(admit_timeout)
+            while (pause := admission.wait_time(self.backend, deadline)) is not None:
+                time.sleep(pause)
         me = os.getpid()
         record = TurnRecord(task_id=task_id, turn_id=turn_id, task_key=ids.encode(task_id),
                             turn_key=ids.encode(turn_id), state=RUNNING, owner_pid=me,
@@ -152,6 +166,19 @@ class TurnManager:
         turn = make_turn(self, record)
         self.events.emit("turn_begun", turn)
         return turn
+
+    async def abegin_turn(self, task_id: str, turn_id: str | None = None, *, limits: Limits | None = None,
+                          admit_timeout: float | None = None) -> Turn:
+        """`begin_turn` for asyncio: admission waits with asyncio.sleep and the turn is made in a worker
+        thread, so the loop never blocks. Raises as `begin_turn`."""
+        import asyncio
+
+        ids.validate(task_id, "task")
+        if admit_timeout is not None:
+            deadline = admission.deadline(admit_timeout)
+            while (pause := admission.wait_time(self.backend, deadline)) is not None:  # one getxattr
+                await asyncio.sleep(pause)
+        return await asyncio.to_thread(self.begin_turn, task_id, turn_id, limits=limits)
 
     def turn(self, task_id: str, turn_id: str) -> Turn:
         """The existing turn with these ids. Raises NoSuchTurn, or ValueError for invalid ids."""
@@ -416,8 +443,9 @@ class TurnManager:
         return won, rec
 
     def abandon_turn(self, task_key: str, turn_key: str, reason: str, grace: float,
-                     force: bool = False) -> AbandonResult:
-        """Mark the turn at this directory abandoned (first transition wins) and kill it."""
+                     force: bool = False, when=None) -> AbandonResult:
+        """Mark the turn at this directory abandoned (first transition wins) and kill it. `when(record)`,
+        if given, must also hold under the turn's lock (the guard: "still frozen by me")."""
         rec = self.backend.load(task_key, turn_key)
         if rec is None:
             return AbandonResult(skipped=True, reason=reason)
@@ -425,7 +453,8 @@ class TurnManager:
         me = os.getpid()
         won, rec = self.backend.transition(
             task_key, turn_key, _ABANDONABLE_FORCED if force else _ABANDONABLE, ABANDONED,
-            {"reason": reason, "ended_at": time.time(), "killer_pid": me, "killer_start": procfs.start_time(me)})
+            {"reason": reason, "ended_at": time.time(), "killer_pid": me, "killer_start": procfs.start_time(me)},
+            when=when)
         if not won or rec is None:
             return AbandonResult(skipped=True, reason=(rec.reason if rec else None) or reason)
         self.events.emit("turn_ended", task_key, turn_key)

@@ -22,6 +22,7 @@ NOT_EXECUTABLE = "not-executable"  # `cgturn run`: the command could not be exec
 SIGNAL_PREFIX = "signal:"        # `cgturn run` got a signal: `signal:SIGINT`
 OOM = "oom"                      # a `limit` audit record: the kernel OOM-killed a turn's process
 PIDS_MAX = "pids-max"            # a `limit` audit record: the pids limit refused a fork
+PRESSURE = "pressure"            # the pressure guard abandoned the heaviest turn, or one frozen too long
 CORRUPT_RECORD = "corrupt-record"  # recovery killed a turn directory without a trustworthy record
 PYTEST_LEAK = "pytest-leak"      # the pytest plugin killed what a test left running
 PYTEST_SESSION_END = "pytest-session-end"

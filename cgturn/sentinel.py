@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 
 from . import ids, processes, reasons, statefiles
-from .errors import AccessDenied, SentinelUnavailable
+from .errors import AccessDenied, GuardUnavailable, SentinelUnavailable
 from .model import ABANDONED, COMPLETED
 
 log = logging.getLogger("cgturn.sentinel")
@@ -144,16 +144,22 @@ class SentinelClient:
                 problem = "it exited before it was ready"
             elif isinstance(msg, dict) and msg.get("op") == "error":
                 problem = str(msg.get("message"))
+                if msg.get("guard"):
+                    self._stop_unready()
+                    raise GuardUnavailable(problem)
             else:
                 problem = f"unexpected first message {data[:80]!r}"
             break
+        self._stop_unready()
+        raise SentinelUnavailable(f"the sentinel could not start ({problem}): turns are not guarded against "
+                                  f"the death of process {os.getpid()} (CGTURN_SENTINEL=0 runs without one)")
+
+    def _stop_unready(self) -> None:
         self.closed = True
         self._sock.close()
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
-        raise SentinelUnavailable(f"the sentinel could not start ({problem}): turns are not guarded against "
-                                  f"the death of process {os.getpid()} (CGTURN_SENTINEL=0 runs without one)")
 
     def __repr__(self) -> str:
         return f"<SentinelClient pid={self.process.pid} {'closed' if self.closed else 'open'}>"
@@ -249,6 +255,8 @@ def _start_process(manager, fd: int) -> subprocess.Popen:
             "--state-dir", manager.state_dir]
     if manager.root is not None:
         argv += ["--root", manager.root]
+    if getattr(manager, "guard", None) is not None:
+        argv += ["--guard", json.dumps(manager.guard.to_json())]
     env = dict(os.environ)
     # The sentinel must import this very cgturn, installed or not.
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -475,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", required=True)
     p.add_argument("--state-dir", required=True)
     p.add_argument("--root")
+    p.add_argument("--guard", help="a PressureGuard's settings (JSON) to arm in this process")
     return p
 
 
@@ -491,10 +500,34 @@ def main(argv: list[str] | None = None) -> int:
         _tell_owner(sock, {"op": "error", "message": f"{type(err).__name__}: {err}"})
         return 1
     with mgr:
+        runner = None
+        if args.guard:
+            try:
+                runner = _arm_guard(mgr, args)
+            except Exception as err:  # noqa: BLE001 - reported to the owner, who raises GuardUnavailable
+                log.error("pressure guard cannot start: %s", err)
+                _tell_owner(sock, {"op": "error", "guard": True, "message": str(err)})
+                return 1
         guard = Sentinel(mgr, sock, args.owner_pid, args.owner_start)
         _tell_owner(sock, {"op": "ready", "log_problem": log_problem})
-        guard.run()
+        try:
+            guard.run()
+        finally:
+            if runner is not None:
+                runner.stop()
+                runner.join()
     return 0
+
+
+def _arm_guard(mgr, args):
+    """Arm the pressure guard (or stand by while another guard owns the root) and start its thread."""
+    from .guard import GuardRunner, PressureGuard
+
+    runner = GuardRunner(PressureGuard.from_json(json.loads(args.guard)), mgr, owner_pid=args.owner_pid)
+    if not runner.arm(standby=True):
+        log.info("pressure guard on standby: process %s owns this managed root", runner.owned_by["owner_pid"])
+    runner.start()
+    return runner
 
 
 def _setup_logging(state_dir: str) -> str | None:

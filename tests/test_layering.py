@@ -20,8 +20,8 @@ LAYERS = {
     "kernel": ("cgturn.kernel",),
     "backends": ("cgturn.backends",),
     "ownership": ("cgturn.manager", "cgturn.turn", "cgturn.killing", "cgturn.recovery", "cgturn.listing",
-                  "cgturn.host", "cgturn.processes"),
-    "supervision": ("cgturn.supervisor", "cgturn.sentinel", "cgturn.sentinel_main"),
+                  "cgturn.host", "cgturn.processes", "cgturn.admission"),
+    "supervision": ("cgturn.supervisor", "cgturn.sentinel", "cgturn.sentinel_main", "cgturn.guard"),
     "faces": ("cgturn.cli", "cgturn.pytest_plugin", "cgturn.metrics", "cgturn.__main__"),
 }
 # What a face may import from the package besides its own modules: the package itself (whose names

@@ -20,6 +20,7 @@ STAT_FILE = "cgroup.stat"
 CONTROLLERS_FILE = "cgroup.controllers"
 CPU_STAT_FILE = "cpu.stat"
 MEMORY_CURRENT_FILE = "memory.current"
+IO_STAT_FILE = "io.stat"
 CGROUP2_SUPER_MAGIC = 0x63677270
 
 
@@ -133,3 +134,11 @@ def is_cgroup2(path: str) -> bool:
         return libc.filesystem_magic(path) == CGROUP2_SUPER_MAGIC
     except OSError:
         return False
+
+
+def read_io_bytes(path: str) -> int | None:
+    """Bytes read and written by the cgroup at `path` (io.stat); None without the io controller."""
+    try:
+        return parsers.parse_io_stat_bytes(read_text(f"{path}/{IO_STAT_FILE}"))
+    except OSError:
+        return None

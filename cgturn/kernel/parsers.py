@@ -169,3 +169,14 @@ def parse_pressure(text: str) -> dict[str, dict[str, float]]:
                     continue
         out[kind] = values
     return out
+
+
+def parse_io_stat_bytes(text: str) -> int:
+    """io.stat (`MAJ:MIN rbytes=.. wbytes=.. rios=..` per device) -> rbytes + wbytes over all devices."""
+    total = 0
+    for line in text.splitlines():
+        for item in line.split()[1:]:
+            key, _, value = item.partition("=")
+            if key in ("rbytes", "wbytes") and value.isdigit():
+                total += int(value)
+    return total
