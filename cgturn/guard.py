@@ -83,6 +83,10 @@ class PressureGuard:
     def from_json(cls, data: dict) -> "PressureGuard":
         return cls(**{k: data[k] for k in ("resource", "trigger", "watch", "action", "thaw_after", "abandon_after")})
 
+    def runner(self, manager, owner_pid: int | None = None) -> "GuardRunner":
+        """A GuardRunner of this guard for `manager` (not armed yet: `arm()`, then `run()`)."""
+        return GuardRunner(self, manager, owner_pid)
+
     def attach(self, manager) -> None:
         """Start `manager`'s sentinel with this guard armed in it (what `TurnManager(guard=...)` calls).
 

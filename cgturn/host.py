@@ -72,15 +72,19 @@ def choose_backend(host: HostInfo, wanted: str, state_dir: str) -> Backend:
     return RegistryBackend(state_dir)
 
 
-def doctor_report(root: str | None = None, backend: str | None = None) -> dict:
-    """What `cgturn doctor --json` prints: the host, the backend that would be used, and why."""
+def doctor_report(root: str | None = None, backend: str | None = None, state_dir: str | None = None) -> dict:
+    """What `cgturn doctor --json` prints: the host, the backend that would be used, and why.
+    `state_dir` is where the registry fallback keeps the pressure guard's state."""
     host = discover_host(root)
     wanted = wanted_backend(backend)
     problems = list(host.problems)
     limits = {"layout": None, "available": [], "problems": ["cgroup v2 is not usable: no limits"]}
+    guard = None
     try:
         name = backend_name(host, wanted)
         usable = True
+        where = state_dir or os.environ.get("CGTURN_STATE_DIR") or "/nonexistent"
+        guard = _guard_report(choose_backend(host, wanted, where), problems)  # creates nothing
         if name == "cgroup2":
             limits = choose_backend(host, wanted, "/nonexistent").limits_report()  # creates nothing
         else:
@@ -101,5 +105,22 @@ def doctor_report(root: str | None = None, backend: str | None = None) -> dict:
         "usable": usable,
         "limits": limits,
         "spawn_paths": ["shim"],  # the gated /bin/sh shim (see docs/design.md#how-spawn-works)
-        "guard": None,            # no pressure guard armed (none exists in this version)
+        "guard": guard,
     }
+
+
+def _guard_report(backend: Backend, problems: list[str]) -> dict | None:
+    """The pressure guard's recorded state with `active` (armed and its process alive), or None when
+    no guard ever recorded one; a guard that could not arm, or died, adds a problem."""
+    from .backends import guard_state
+
+    state = guard_state.load(backend)
+    if state is None:
+        return None
+    alive = guard_state.owner_alive(state)
+    report = dict(state, active=bool(state.get("armed", True) and alive))
+    if state.get("problem"):
+        problems.append(f"pressure guard (process {state['owner_pid']}): {state['problem']}")
+    elif not alive:
+        problems.append(f"pressure guard process {state['owner_pid']} is gone without disarming: no guard runs")
+    return report

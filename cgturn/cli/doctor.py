@@ -15,7 +15,7 @@ def report(args) -> dict:
     """The doctor report as a dict (the documented JSON shape)."""
     from .. import doctor_report  # the library loads only for the command that runs
 
-    return doctor_report(args.root, args.backend)
+    return doctor_report(args.root, args.backend, args.state_dir)
 
 
 def run(args) -> int:
@@ -31,6 +31,8 @@ def run(args) -> int:
         kill = {True: "yes", False: "no (freeze + kill fallback)", None: "unknown until the first kill"}
         print(f"cgroup.kill:    {kill[data['cgroup_kill']]}")
         print(f"controllers:    {' '.join(data['controllers']) or '-'}")
+        guard = data["guard"]
+        print(f"pressure guard: {_guard_line(guard)}")
         for problem in data["problems"]:
             print(f"problem:        {problem}")
         print(format_limits(data["limits"]))
@@ -49,3 +51,13 @@ def format_limits(section: dict) -> str:
         lines = [f"limits:         {available} (layout {layout}: {layouts.get(layout, layout)})"]
     lines += [f"limits problem: {problem}" for problem in section["problems"]]
     return "\n".join(lines)
+
+
+def _guard_line(guard: dict | None) -> str:
+    if guard is None:
+        return "none"
+    if not guard["active"]:
+        return f"not running (process {guard['owner_pid']})"
+    state = "OVER threshold" if guard.get("over") else "quiet"
+    return (f"process {guard['owner_pid']}, {guard.get('resource')} '{guard.get('trigger')}' on {guard.get('file')}, "
+            f"{state}, {len(guard.get('frozen') or [])} turn(s) frozen")

@@ -5,7 +5,8 @@ Exit status: CMD's own code; 128+N if it died of signal N; 127 not found; 126 no
 the turn completed (the turn is then abandoned, even if CMD exited first from the same Ctrl-C); 125
 when `cgturn run` itself cannot start CMD: no sentinel could be started (CMD would not be guarded
 against our death; CGTURN_SENTINEL=0 runs it without one), a limit cannot be enforced here
-(`LimitsUnavailable`), or the turn could not be made or joined. Never 1: that is CMD's own.
+(`LimitsUnavailable`), the turn could not be made or joined, or
+`--admit-timeout` ran out under pressure (`Overloaded`). Never 1: that is CMD's own.
 
 When the kernel enforced a limit on the turn (an OOM kill, a refused fork) one stderr line says so
 (`... hit its memory limit ...`, `... hit its pids limit ...`); the status stays CMD's.
@@ -42,6 +43,8 @@ def register(sub) -> None:
     p.add_argument("--reap-on-exit", action="store_true",
                    help="abandon the turn when CMD exits, killing what it left running")
     common.add_limit_options(p)
+    p.add_argument("--admit-timeout", type=common.non_negative_seconds,
+                   help="wait up to S seconds while the pressure guard reports pressure (then exit 125)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
     p.set_defaults(handler=run)
 
@@ -63,7 +66,7 @@ def run(args) -> int:
         # promise cannot be kept: refuse to start CMD rather than run it unguarded.
         try:
             attach_sentinel(manager)
-            turn = manager.begin_turn(args.task, args.turn, limits=limits)
+            turn = manager.begin_turn(args.task, args.turn, limits=limits, admit_timeout=args.admit_timeout)
         except TurnExists:
             raise  # bad input (exit 2), not a failure to start
         except CgturnError as err:  # SentinelUnavailable, LimitsUnavailable, ...: CMD never started

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import select
 from dataclasses import dataclass
 
@@ -87,11 +88,8 @@ def check_privilege(trig: Trigger, privileged: bool, kernel: tuple[int, int]) ->
 
 def parse_kernel_release(release: str) -> tuple[int, int]:
     """`6.18.44-foo` -> (6, 18); (0, 0) when it cannot be read."""
-    parts = release.split(".")
-    try:
-        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
-    except (IndexError, ValueError):
-        return (0, 0)
+    match = re.match(r"(\d+)\.(\d+)", release)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
 
 
 def parse_cap_eff(status_text: str) -> int:

@@ -1,0 +1,358 @@
+"""The pressure guard: PSI trigger rules (table), arming on the real kernel, and the guard acting on real
+CPU pressure made on purpose — a turn running more busy loops than the machine has cores beside a
+stand-in gateway in a cgroup the test created and watches (never a cgroup the test did not create).
+
+Every busy loop ends by itself after BUSY_SECONDS; every cgroup is removed at teardown.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from conftest import PY, audit_records, cgturn_argv, cgturn_env, destroy_cgroup_tree, need_cgroup2, wait_until
+from cgturn import GuardUnavailable, Overloaded, PressureGuard, TurnManager
+from cgturn.backends import guard_state
+from cgturn.guard import heaviest, resolve_watch
+from cgturn.kernel import parsers, procfs, psi
+from cgturn.metrics import AuditTail
+
+BUSY_SECONDS = 60
+BUSY = f"import time\nend = time.monotonic() + {BUSY_SECONDS}\nwhile time.monotonic() < end: pass"
+HOGS = (os.cpu_count() or 2) + 1
+# Windows must be multiples of 2 s without CAP_SYS_RESOURCE (6.5+); 5 % of the window as threshold.
+TRIGGER = "some 100000 2000000"
+DEADLINE = 60  # generous: other test runs share these 2 cores
+
+
+# --- pure parts ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("some 150000 1000000", psi.Trigger("some", 150000, 1000000)),
+    ("full 1 500000", psi.Trigger("full", 1, 500000)),
+    ("  some   10000000 10000000 ", psi.Trigger("some", 10000000, 10000000)),
+])
+def test_parse_trigger(text, expected):
+    assert psi.parse_trigger(text) == expected
+
+
+@pytest.mark.parametrize("text, rule", [
+    ("some 150000", "expected 'some|full <stall us> <window us>'"),
+    ("some 1 2 3", "expected 'some|full"),
+    ("most 1 1000000", "the kind must be 'some' or 'full'"),
+    ("some 1.5 1000000", "whole microseconds"),
+    ("some -1 1000000", "whole microseconds"),
+    ("some ١ 1000000", "whole microseconds"),
+    ("some 1 499999", "windows of 500000-10000000 us"),
+    ("some 1 10000001", "windows of 500000-10000000 us"),
+    ("some 0 1000000", "must be > 0 and at most the window"),
+    ("some 1000001 1000000", "must be > 0 and at most the window"),
+])
+def test_parse_trigger_names_the_kernel_rule(text, rule):
+    with pytest.raises(ValueError, match=rule.replace("|", r"\|").replace("(", r"\(")):
+        psi.parse_trigger(text)
+
+
+@pytest.mark.parametrize("window, privileged, kernel, rule", [
+    (1000000, True, (6, 18), None),
+    (2000000, False, (6, 5), None),
+    (4000000, False, (6, 18), None),
+    (1000000, False, (6, 18), "multiples of 2 s"),
+    (2000000, False, (6, 4), "needs CAP_SYS_RESOURCE before Linux 6.5"),
+])
+def test_privilege_rule(window, privileged, kernel, rule):
+    trig = psi.Trigger("some", 1000, window)
+    if rule is None:
+        psi.check_privilege(trig, privileged, kernel)
+    else:
+        with pytest.raises(ValueError, match=rule):
+            psi.check_privilege(trig, privileged, kernel)
+
+
+@pytest.mark.parametrize("release, expected", [("6.18.44-fc-v857", (6, 18)), ("5.4.0", (5, 4)),
+                                               ("6.5-rc1", (6, 5)), ("garbage", (0, 0))])
+def test_parse_kernel_release(release, expected):
+    assert psi.parse_kernel_release(release) == expected
+
+
+def test_parse_cap_eff_and_stall_total():
+    assert psi.parse_cap_eff("Name:\tx\nCapEff:\t000001fffeffffff\n") >> psi.CAP_SYS_RESOURCE & 1 == 0
+    assert psi.parse_cap_eff("CapEff:\t000001ffffffffff\n") >> psi.CAP_SYS_RESOURCE & 1 == 1
+    text = "some avg10=1.50 avg60=0.00 avg300=0.00 total=12345\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=7\n"
+    assert (psi.stall_total(text, "some"), psi.stall_total(text, "full")) == (12345, 7)
+    assert psi.stall_total("some avg10=0.00\n", "full") is None
+    assert parsers.parse_io_stat_bytes("8:0 rbytes=10 wbytes=5 rios=1\n259:0 rbytes=1 wbytes=0\n") == 16
+
+
+@pytest.mark.parametrize("now, before, cumulative, expected", [
+    ({}, {}, True, None),
+    ({"a": 10.0, "b": 3.0}, {"a": 9.5, "b": 0.0}, True, "b"),     # CPU in the window, not in a lifetime
+    ({"a": 10.0, "b": 3.0}, {"a": 9.5}, True, "b"),               # new turn: all it used
+    ({"a": 100, "b": 300}, {"a": 0, "b": 299}, False, "b"),        # memory: the level
+])
+def test_heaviest(now, before, cumulative, expected):
+    assert heaviest(now, before, cumulative) == expected
+
+
+@pytest.mark.parametrize("watch, owner, root, expected", [
+    ("host", "/m/x", "/m/r", "/proc/pressure/cpu"),
+    ("root", "/m/x", "/m/r", "/m/r/cpu.pressure"),
+    ("owner", "/m/gw", "/m/r", "/m/gw/cpu.pressure"),
+    ("owner", None, "/m/r", "/proc/pressure/cpu"),   # the owner sits in the root cgroup
+    ("/m/other", None, None, "/m/other/cpu.pressure"),
+])
+def test_resolve_watch(watch, owner, root, expected):
+    assert resolve_watch(watch, "cpu", owner, root) == expected
+
+
+def test_resolve_watch_root_needs_cgroup2():
+    with pytest.raises(GuardUnavailable, match="needs the cgroup2 backend"):
+        resolve_watch("root", "cpu", None, None)
+
+
+@pytest.mark.parametrize("kwargs, rule", [
+    ({"resource": "disk"}, "unknown resource"),
+    ({"action": "kill"}, "unknown action"),
+    ({"watch": "gateway"}, "watch must be one of"),
+    ({"thaw_after": -1}, "thaw_after must be"),
+    ({"abandon_after": float("nan")}, "abandon_after must be"),
+    ({"trigger": "some 1 100"}, "windows of 500000-10000000 us"),
+])
+def test_guard_rejects_bad_settings(kwargs, rule):
+    with pytest.raises(ValueError, match=rule):
+        PressureGuard(**kwargs)
+
+
+@pytest.mark.parametrize("args, rule", [
+    (["--trigger", "some 150000"], "expected 'some|full"),
+    (["--trigger", "some 2000001 2000000"], "at most the window"),
+    (["--resource", "disk"], "unknown resource"),
+    (["--action", "kill"], "unknown action"),
+])
+def test_cli_guard_bad_input_exits_2(tmp_path, args, rule):
+    proc = subprocess.run(cgturn_argv(None, str(tmp_path), "guard", *args), env=cgturn_env(),
+                          capture_output=True, text=True, timeout=30)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert rule in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_metrics_count_guard_actions(tmp_path):
+    lines = [{"action": "freeze", "reason": "guard", "task": "t", "turn": "u", "pids": [1]},
+             {"action": "freeze", "reason": "user", "task": "t", "turn": "u", "pids": [1]},
+             {"action": "thaw", "reason": "guard", "task": "t", "turn": "u", "pids": [1]},
+             {"task": "t", "turn": "u", "reason": "pressure", "pids": [5], "duration_ms": 3.0}]
+    (tmp_path / "audit.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    tail = AuditTail(str(tmp_path))
+    tail.update()
+    assert tail.guard_actions == {"freeze": 1, "thaw": 1, "kill": 1}
+
+
+# --- the kernel ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def test_cgroup():
+    """A cgroup this test created (`<mount>/cgturn-test-<random>-w`), removed at teardown."""
+    path = os.path.join(need_cgroup2(), f"cgturn-test-{uuid.uuid4().hex[:10]}-w")
+    os.mkdir(path)
+    yield path
+    destroy_cgroup_tree(path)
+
+
+def test_arm_read_and_poll_err_when_the_cgroup_goes(test_cgroup):
+    trig = psi.ArmedTrigger(psi.pressure_file("cpu", test_cgroup), psi.validate_trigger(TRIGGER))
+    try:
+        assert trig.total_us() == 0  # nothing ever ran in it
+        with pytest.raises(OSError) as err:  # one trigger per open file
+            os.write(trig.fd, b"some 100000 2000000\0")
+        assert err.value.errno == 16  # EBUSY
+        assert trig.wait(0) == 0
+        os.rmdir(test_cgroup)
+        assert trig.wait(5) & 0x8  # POLLERR: the watched cgroup is gone
+    finally:
+        trig.close()
+
+
+@pytest.mark.skipif(psi.privileged(), reason="this process has CAP_SYS_RESOURCE: the kernel takes 1 s windows")
+def test_kernel_refuses_what_validation_refuses(test_cgroup):
+    with pytest.raises(OSError) as err:
+        psi.ArmedTrigger(psi.pressure_file("cpu", test_cgroup), psi.Trigger("some", 150000, 1000000))
+    assert err.value.errno == 22  # EINVAL: the rule psi.check_privilege states
+    with pytest.raises(ValueError, match="multiples of 2 s"):
+        psi.validate_trigger("some 150000 1000000")
+
+
+def test_guard_that_cannot_arm_says_so_and_doctor_shows_it(cgroup2_root, state_dir):
+    missing = cgroup2_root + "-absent"
+    with pytest.raises(GuardUnavailable, match="no PSI file"):
+        TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir,
+                    guard=PressureGuard(resource="cpu", trigger=TRIGGER, watch=missing))
+
+
+# --- admission (the state any process reads) ---------------------------------------------------------
+
+def _claim_over(mgr) -> dict:
+    me = os.getpid()
+    state = {"owner_pid": me, "owner_start": procfs.start_time(me), "armed": True, "over": True,
+             "since": time.time(), "resource": "cpu", "file": "/test"}
+    assert guard_state.claim(mgr.backend, state) is None
+    return state
+
+
+def test_admission_waits_while_over_then_admits(cgroup2_manager):
+    state = _claim_over(cgroup2_manager)
+    cleared = threading.Event()
+
+    def clear():
+        time.sleep(0.3)
+        state["over"] = False
+        guard_state.save(cgroup2_manager.backend, state)
+        cleared.set()
+
+    threading.Thread(target=clear).start()
+    turn = cgroup2_manager.begin_turn("t", "u", admit_timeout=30)
+    assert cleared.is_set() and turn.state == "running"
+    turn.complete()
+
+
+def test_admission_raises_overloaded_and_without_timeout_is_immediate(cgroup2_manager):
+    _claim_over(cgroup2_manager)
+    start = time.monotonic()
+    with pytest.raises(Overloaded, match="pressure guard"):
+        cgroup2_manager.begin_turn("t", "late", admit_timeout=0.3)
+    assert time.monotonic() - start >= 0.3
+    assert cgroup2_manager.turns("t") == []
+    with pytest.raises(Overloaded):
+        asyncio.run(cgroup2_manager.abegin_turn("t", "late", admit_timeout=0.2))
+    cgroup2_manager.begin_turn("t", "now").complete()  # no admit_timeout: unchanged behaviour
+
+
+def test_admission_ignores_a_dead_guard(cgroup2_manager):
+    state = _claim_over(cgroup2_manager)
+    state["owner_start"] += 1  # a pid whose start time does not match: not this guard
+    guard_state.save(cgroup2_manager.backend, state)
+    cgroup2_manager.begin_turn("t", "u", admit_timeout=0).complete()
+
+
+def test_cli_run_admit_timeout_exits_125(cgroup2_manager, cgroup2_root, state_dir):
+    _claim_over(cgroup2_manager)
+    proc = subprocess.run(cgturn_argv(cgroup2_root, state_dir, "run", "--admit-timeout", "0.2", "--", "true"),
+                          env=cgturn_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 125
+    assert "not admitted" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+# --- the guard under real CPU pressure ---------------------------------------------------------------
+
+@pytest.fixture
+def gateway(test_cgroup):
+    """A stand-in gateway: one busy loop in a cgroup the test created (the watched cgroup)."""
+    proc = subprocess.Popen([PY, "-c", BUSY])
+    with open(os.path.join(test_cgroup, "cgroup.procs"), "w") as f:
+        f.write(str(proc.pid))
+    yield test_cgroup
+    proc.kill()
+    proc.wait()
+
+
+def _hog(mgr, turn_id="hog"):
+    turn = mgr.begin_turn("t", turn_id)
+    for _ in range(HOGS):
+        turn.spawn([PY, "-c", BUSY])
+    return turn
+
+
+def _guarded(root, state_dir, gateway, **kw):
+    return TurnManager(root=root, backend="cgroup2", state_dir=state_dir,
+                       guard=PressureGuard(resource="cpu", trigger=TRIGGER, watch=gateway, **kw))
+
+
+def test_guard_freezes_the_hog_then_thaws_it(cgroup2_root, state_dir, gateway):
+    with _guarded(cgroup2_root, state_dir, gateway, thaw_after=1.0, abandon_after=600) as mgr:
+        quiet = mgr.begin_turn("t", "quiet")
+        quiet.spawn(["sleep", str(BUSY_SECONDS)])
+        hog = _hog(mgr)
+        assert wait_until(lambda: hog.record.frozen_by == "guard", timeout=DEADLINE)
+        assert quiet.record.frozen_by is None
+        state = guard_state.live(mgr.backend)
+        assert state["over"] is True and state["file"] == os.path.join(gateway, "cpu.pressure")
+        assert [r["task"] for r in _ps(cgroup2_root, state_dir) if r["frozen"]] == ["t"]
+        assert wait_until(lambda: any(r.get("action") == "thaw" and r["reason"] == "guard"
+                                      for r in audit_records(state_dir, "hog")), timeout=DEADLINE)
+        assert hog.record.state == "running"
+        doctor = json.loads(subprocess.run(cgturn_argv(cgroup2_root, state_dir, "doctor", "--json"),
+                                           env=cgturn_env(), capture_output=True, text=True, timeout=60).stdout)
+        assert doctor["guard"]["active"] is True and doctor["guard"]["resource"] == "cpu"
+        hog.abandon("test-done", grace=0)
+        quiet.abandon("test-done", grace=0)
+
+
+def test_guard_abandons_a_turn_frozen_too_long(cgroup2_root, state_dir, gateway):
+    with _guarded(cgroup2_root, state_dir, gateway, thaw_after=600, abandon_after=1.0) as mgr:
+        hog = _hog(mgr)
+        assert wait_until(lambda: hog.record.frozen_by == "guard", timeout=DEADLINE)
+        # Admission sees the pressure the guard reports (it stays "over" for thaw_after).
+        with pytest.raises(Overloaded):
+            mgr.begin_turn("t", "late", admit_timeout=0.1)
+        assert wait_until(lambda: _kills(state_dir, "hog"), timeout=DEADLINE)  # written once the kill is done
+        assert [r["reason"] for r in _kills(state_dir, "hog")] == ["pressure"]
+        assert hog.state == "abandoned"
+
+
+def test_guard_never_thaws_or_abandons_a_user_paused_turn(cgroup2_root, state_dir, gateway):
+    with _guarded(cgroup2_root, state_dir, gateway, thaw_after=600, abandon_after=0.5) as mgr:
+        paused = mgr.begin_turn("t", "paused")
+        paused.spawn([PY, "-c", BUSY])
+        mgr.freeze_turn(*paused.key, by="user")
+        hog = _hog(mgr)
+        assert wait_until(lambda: _kills(state_dir, "hog"), timeout=DEADLINE)
+        rec = paused.record
+        assert (rec.state, rec.frozen_by) == ("running", "user")
+        assert [r["action"] for r in audit_records(state_dir, "paused")] == ["freeze"]
+        mgr.thaw_turn(*paused.key)
+        paused.abandon("test-done", grace=0)
+
+
+OWNER = """
+import os, sys, time
+from cgturn import TurnManager, PressureGuard
+mgr = TurnManager(root=sys.argv[1], backend="cgroup2", state_dir=sys.argv[2],
+                  guard=PressureGuard(resource="cpu", trigger=sys.argv[3], watch=sys.argv[4], thaw_after=600))
+turn = mgr.begin_turn("t", "hog")
+for _ in range(int(sys.argv[5])):
+    turn.spawn([sys.executable, "-c", sys.argv[6]])
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_guard_works_while_the_owner_is_stopped(cgroup2_root, state_dir, gateway):
+    owner = subprocess.Popen([PY, "-c", OWNER, cgroup2_root, state_dir, TRIGGER, gateway, str(HOGS), BUSY],
+                             stdout=subprocess.PIPE, text=True, env=cgturn_env())
+    try:
+        assert owner.stdout.readline().strip() == "ready"
+        os.kill(owner.pid, signal.SIGSTOP)
+        assert wait_until(lambda: any(r.get("action") == "freeze" and r["reason"] == "guard"
+                                      for r in audit_records(state_dir, "hog")), timeout=DEADLINE)
+        assert procfs.stat(owner.pid).state == "T"  # it was stopped the whole time
+    finally:
+        os.kill(owner.pid, signal.SIGKILL)
+        os.kill(owner.pid, signal.SIGCONT)
+        owner.wait()
+
+
+def _kills(state_dir, turn):
+    return [r for r in audit_records(state_dir, turn) if r.get("action", "kill") == "kill"]
+
+
+def _ps(root, state_dir):
+    out = subprocess.run(cgturn_argv(root, state_dir, "ps", "--json"), env=cgturn_env(), capture_output=True,
+                         text=True, timeout=60)
+    return json.loads(out.stdout)
