@@ -152,7 +152,7 @@ def test_metrics_count_guard_actions(tmp_path):
     (tmp_path / "audit.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     tail = AuditTail(str(tmp_path))
     tail.update()
-    assert tail.guard_actions == {"freeze": 1, "thaw": 1, "kill": 1}
+    assert tail.guard_actions == {"freeze": 1, "thaw": 1, "abandon": 1}
 
 
 # --- the kernel ------------------------------------------------------------------------------------
