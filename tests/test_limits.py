@@ -689,3 +689,15 @@ def test_the_kill_record_carries_what_the_turn_used(mgr, state_dir):
     kills = [r for r in audit_records(state_dir) if r.get("action", "kill") == "kill" and r["turn"] == "t"]
     assert len(kills) == 1 and kills[0]["pids"] == [sleeper.pid]
     assert kills[0]["usage"] == result.usage.to_json() and kills[0]["usage"]["pids_max_hits"] == 0
+
+
+def test_a_dying_turn_loses_its_cpu_quota(mgr):
+    """After SIGKILL nothing useful runs in the turn; its exit work may use every core (a 1-core
+    quota doubled the abandon of 500 processes here)."""
+    turn = mgr.begin_turn("unthrottle", "t", limits=Limits(cpus=0.5, pids_max=64))
+    quota = os.path.join(v1_dirs(mgr, *turn.key)["cpu"], "cpu.cfs_quota_us")
+    assert open(quota).read().strip() == "50000"
+    mgr.backend.unthrottle(turn.record)
+    assert open(quota).read().strip() == "-1"
+    assert open(os.path.join(v1_dirs(mgr, *turn.key)["pids"], "pids.max")).read().strip() == "64"
+    turn.abandon("done", grace=0)

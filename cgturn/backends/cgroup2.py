@@ -25,7 +25,7 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from ..errors import AccessDenied, KernelError, NoSuchTurn, TurnExists, UnsafeOperation
+from ..errors import AccessDenied, KernelError, LimitsUnavailable, NoSuchTurn, TurnExists, UnsafeOperation
 from ..kernel import procfs
 from ..kernel.cgroupfs import Cgroup, KillUnsupported, child_entries
 from ..limits import Limits, Usage
@@ -213,6 +213,14 @@ class Cgroup2Backend(Backend):
 
     def root_limits(self) -> Limits:
         return self.layout.stored_limits(self.root)
+
+    def unthrottle(self, record: TurnRecord) -> None:
+        if turn_limits(record).cpus is None:
+            return
+        try:
+            self.layout.apply(Limits(cpus="max"), self._cg(record).path, record.task_key, record.turn_key)
+        except (LimitsUnavailable, KernelError, FileNotFoundError) as err:
+            log.debug("cannot lift the cpu limit of dying turn %r: %s", record.turn_id, err)
 
     def turn_usage(self, record: TurnRecord) -> Usage:
         return self.layout.usage(self._cg(record).path, record.task_key, record.turn_key)
