@@ -44,7 +44,7 @@ def list_turns(backend: Backend, task_key: str | None = None, detail: bool = Fal
             info.usage = backend.turn_usage(rec)
         if detail:
             info.pressure = backend.turn_pressure(rec)
-            info.frozen = backend.turn_frozen(rec)
+            info.frozen = rec.frozen_by is not None or backend.turn_frozen(rec)
         out.append(info)
     out.sort(key=lambda info: (info.started_at, info.task, info.turn))
     return out

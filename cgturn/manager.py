@@ -294,7 +294,7 @@ class TurnManager:
         from . import audit
 
         rec = self._live_record(task_key, turn_key)
-        self._refuse_if_caller_inside(rec)
+        self._refuse_if_caller_inside(rec, "freeze")
         pids = self.backend.freeze_members(rec, True)
         now = time.time()
         self.backend.transition(task_key, turn_key, {RUNNING, COMPLETED}, rec.state,
@@ -310,7 +310,7 @@ class TurnManager:
         rec = self._live_record(task_key, turn_key)
         if by == "guard" and rec.frozen_by == "user":
             raise UnsafeOperation(f"turn {rec.turn_id!r} of task {rec.task_id!r} was paused by a user")
-        self._refuse_if_caller_inside(rec)
+        self._refuse_if_caller_inside(rec, "thaw")
         pids = self.backend.freeze_members(rec, False)
         now = time.time()
         frozen_for = now - rec.frozen_at if rec.frozen_at is not None else 0.0
@@ -501,9 +501,9 @@ class TurnManager:
         except Exception:  # noqa: BLE001 - the audit of a limit must not stop a kill
             log.exception("could not audit the limit events of turn %r of task %r", turn_key, task_key)
 
-    def _refuse_if_caller_inside(self, rec: TurnRecord) -> None:
+    def _refuse_if_caller_inside(self, rec: TurnRecord, verb: str = "kill") -> None:
         if self.backend.contains_caller(rec):
-            raise UnsafeOperation(f"refusing to kill turn {rec.turn_id!r} of task {rec.task_id!r}: it contains "
+            raise UnsafeOperation(f"refusing to {verb} turn {rec.turn_id!r} of task {rec.task_id!r}: it contains "
                                   f"the calling process, one of its ancestors or PID 1 (caller {os.getpid()})")
 
 

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cgturn import TurnManager  # noqa: E402
 from cgturn.kernel import procfs  # noqa: E402
-from conftest import alive  # noqa: E402 - the suite's one liveness check
+from conftest import alive, wait_until  # noqa: E402 - the suite's one liveness check
 
 
 def main(state_dir: str) -> int:
@@ -34,7 +34,12 @@ def main(state_dir: str) -> int:
                "members": [pid for pid, _ in mgr.backend.members(rec)],
                "contains_caller": mgr.backend.contains_caller(rec),
                "signalled": mgr.backend.signal_members(rec, signal.SIGCONT),
-               "killed": mgr.backend.kill_members(rec)}
+               "frozen": mgr.backend.freeze_members(rec, True)}
+        # the SIGSTOP pause reached the victim only: none of the protected processes is stopped
+        wait_until(lambda: procfs.stat(victim.pid).state in ("T", "t"))
+        out["stopped"] = {str(pid): procfs.stat(pid).state in ("T", "t") for pid in (1, parent, me, victim.pid)}
+        out["thawed"] = mgr.backend.freeze_members(rec, False)
+        out["killed"] = mgr.backend.kill_members(rec)
         victim.wait(timeout=5)
         out["victim_status"] = victim.returncode
         out["alive"] = {str(pid): alive(pid) for pid in (1, parent, me)}

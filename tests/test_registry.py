@@ -204,8 +204,8 @@ def test_protected_pids_are_never_members_or_signalled(registry):
 
 
 def test_protected_pids_survive_real_kill_in_pid_namespace(outer_turn, tmp_path):
-    """Real SIGKILL path, in a private PID namespace whose PID 1 and ancestors all carry the turn's
-    environment and rows: none of them is signalled; the real member dies."""
+    """Real SIGKILL and SIGSTOP paths, in a private PID namespace whose PID 1 and ancestors all carry
+    the turn's environment and rows: none of them is signalled or stopped; the real member is."""
     state = str(tmp_path / "ns-state")
     env = cgturn_env({**os.environ, "CGTURN_SCOPE": os.path.join(state, "registry.sqlite3"),
                       "CGTURN_TASK": "protect", "CGTURN_TURN": "t1"})
@@ -218,6 +218,9 @@ def test_protected_pids_survive_real_kill_in_pid_namespace(outer_turn, tmp_path)
     assert report["alive"] == {"1": True, str(report["parent"]): True, str(report["me"]): True}
     assert report["members"] == [report["victim"]]
     assert report["signalled"] == [report["victim"]] and report["killed"] == [report["victim"]]
+    assert report["frozen"] == report["thawed"] == [report["victim"]]
+    assert report["stopped"] == {"1": False, str(report["parent"]): False, str(report["me"]): False,
+                                 str(report["victim"]): True}
     assert report["contains_caller"] is True
     assert report["victim_status"] == -signal.SIGKILL
 

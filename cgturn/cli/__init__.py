@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import sys
 
-from . import common, doctor, end, guard, limits, metrics, ps, reap, run, stop, watch
+from . import common, doctor, end, guard, limits, metrics, pause, ps, reap, run, stop, watch
 
-COMMANDS = [doctor, run, ps, limits, stop, end, reap, watch, metrics, guard]
+COMMANDS = [doctor, run, ps, limits, stop, pause, end, reap, watch, metrics, guard]
 
 
 def build_parser() -> common.Parser:

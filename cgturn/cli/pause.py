@@ -1,0 +1,33 @@
+"""`cgturn pause TASK TURN`, `cgturn resume TASK TURN`: stop a turn's processes where they are, and
+let them run again (cgroup.freeze; SIGSTOP/SIGCONT on the registry, see docs/registry.md).
+
+Exit 1 when there is no such running or completed turn, or when the freeze is refused (the turn holds
+this process); the message says why. A paused turn's inactivity and deadline clocks stop; a lease does
+not. An abandon of a paused turn still kills it.
+"""
+from __future__ import annotations
+
+from . import common
+
+
+def register(sub) -> None:
+    for name, what in (("pause", "freeze a turn: its processes stop where they are"),
+                       ("resume", "thaw a paused turn: its processes run again")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("task", type=common.id_arg("task"), metavar="TASK")
+        p.add_argument("turn", type=common.id_arg("turn"), metavar="TURN")
+        common.add_json_option(p)
+        p.set_defaults(handler=run, pause=name == "pause")
+
+
+def run(args) -> int:
+    with common.make_manager(args) as manager:
+        turn = manager.turn(args.task, args.turn)   # NoSuchTurn -> exit 1
+        pids = turn.freeze() if args.pause else turn.thaw()   # UnsafeOperation -> exit 1
+    verb = "paused" if args.pause else "resumed"
+    if args.json:
+        common.print_json({"task": args.task, "turn": args.turn, "frozen": args.pause, "pids": pids})
+    else:
+        print(f"{verb} turn {args.turn!r} of task {args.task!r}: {len(pids)} process(es) "
+              f"{' '.join(map(str, pids))}".rstrip())
+    return common.EXIT_OK
