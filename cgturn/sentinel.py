@@ -42,9 +42,9 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from . import ids, processes, reasons, statefiles
+from . import clocks, ids, processes, reasons, statefiles
 from .errors import AccessDenied, GuardUnavailable, SentinelUnavailable
 from .model import ABANDONED, COMPLETED
 
@@ -278,14 +278,17 @@ class Guard:
     inactivity: float | None
     grace: float
     last: float
+    # Frozen time the clocks leave out, learnt from the turn's record when a due time arrives.
+    paused: clocks.PausedTime = field(default_factory=clocks.PausedTime)
 
     def due(self) -> tuple[float, str] | None:
         """(monotonic time at which to abandon, reason), or None when only owner death ends it."""
         options = []
         if self.deadline is not None:
-            options.append((self.deadline + SLACK, REASON_DEADLINE))
+            options.append((self.deadline + self.paused.deadline + SLACK, REASON_DEADLINE))
         if self.inactivity is not None:
-            options.append((self.last + self.inactivity + SLACK, REASON_INACTIVITY))
+            options.append((self.last + self.inactivity + self.paused.idle_credit(self.last) + SLACK,
+                            REASON_INACTIVITY))
         return min(options) if options else None
 
 
@@ -368,8 +371,10 @@ class Sentinel:
     def _handle(self, msg: dict) -> None:
         op, key = msg["op"], msg["key"]
         if op == "guard":
-            self.guards[key] = Guard(msg["task"], msg["turn"], msg["deadline"], msg["inactivity"],
-                                     msg["grace"], msg["last"])
+            guard = Guard(msg["task"], msg["turn"], msg["deadline"], msg["inactivity"], msg["grace"], msg["last"])
+            if guard.due() is not None:  # frozen time before the clocks started is not theirs
+                guard.paused.seen = self._frozen_total(key)[0]
+            self.guards[key] = guard
         elif op == "touch":
             guard = self.guards.get(key)
             if guard is not None:
@@ -382,8 +387,31 @@ class Sentinel:
         for key, guard in list(self.guards.items()):
             due = guard.due()
             if due is not None and due[0] <= now:
+                due = self._due_after_pauses(key, guard, now)
+            if due is not None and due[0] <= now:
                 del self.guards[key]
                 self._kill(guard, due[1], guard.grace)
+
+    def _due_after_pauses(self, key, guard: Guard, now: float) -> tuple[float, str] | None:
+        """The guard's due time once the turn's frozen time is left out (its clocks stop while it is
+        frozen); read from the record only here, when a due time has arrived."""
+        total, frozen = self._frozen_total(key, guard.paused.seen)
+        guard.paused.look(total, guard.last, now - guard.last)
+        due = guard.due()
+        if due is not None and frozen:
+            due = (max(due[0], now + clocks.FROZEN_RECHECK), due[1])
+        return due
+
+    def _frozen_total(self, key, otherwise: float = 0.0) -> tuple[float, bool]:
+        """(seconds the turn has spent frozen, frozen now) from its record; `otherwise` when unreadable."""
+        try:
+            rec = self.manager.backend.load(*key)
+        except Exception:  # noqa: BLE001 - an unreadable record must not keep a turn alive
+            log.exception("cannot read the record of %r", key)
+            rec = None
+        if rec is None:
+            return otherwise, False
+        return clocks.frozen_total(rec, time.time()), rec.frozen_at is not None
 
     def _abandon_all(self, reason: str) -> None:
         for key, guard in list(self.guards.items()):

@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import ids, reasons, sentinel
+from . import clocks, ids, reasons, sentinel
 from .model import RUNNING, AbandonResult
 
 log = logging.getLogger("cgturn.supervisor")
@@ -172,6 +172,7 @@ class Supervisor:
         self._fired: Callable[[], None] = lambda: None  # wakes an async run() from another thread
         self._watchdog: threading.Thread | None = None
         self._sentinel = None
+        self._paused = clocks.PausedTime()  # frozen time the clocks leave out (cgturn.clocks)
 
     def __repr__(self) -> str:
         state = "completed" if self._completed else (f"abandoned ({self._reason})" if self._reason else "running")
@@ -270,6 +271,7 @@ class Supervisor:
             self._sentinel = client
             client.guard(self.turn, deadline=self._deadline_at(), inactivity=self.timeout, grace=self.grace)
         if self.timeout is not None or self.deadline is not None:
+            self._paused = clocks.PausedTime(self._frozen_total()[0])
             self._watchdog = threading.Thread(target=self._watch, name="cgturn-watchdog", daemon=True)
             self._watchdog.start()
 
@@ -410,10 +412,32 @@ class Supervisor:
     def _due(self) -> tuple[float, str]:
         options = []
         if self.deadline is not None:
-            options.append((self._deadline_at(), REASON_DEADLINE))
+            options.append((self._deadline_at() + self._paused.deadline, REASON_DEADLINE))
         if self.timeout is not None:
-            options.append((self._last_activity() + self.timeout, REASON_TIMEOUT))
+            last = self._last_activity()
+            options.append((last + self.timeout + self._paused.idle_credit(last), REASON_TIMEOUT))
         return min(options)
+
+    def _frozen_total(self) -> tuple[float, bool]:
+        """(seconds the turn has spent frozen so far, frozen now), from its record."""
+        try:
+            rec = self.turn.record
+        except Exception:  # noqa: BLE001 - an unreadable record must not keep a turn alive
+            log.exception("cannot read the frozen time of turn %r", self.turn.turn_id)
+            return self._paused.seen, False
+        return clocks.frozen_total(rec, time.time()), rec.frozen_at is not None
+
+    def _due_after_pauses(self, now: float) -> tuple[float, str]:
+        """The due time once the frozen time since the last look is left out (the clocks stop while
+        the turn is frozen); while it is still frozen, no sooner than a recheck. The record is read
+        here only, when a due time has arrived."""
+        total, frozen = self._frozen_total()
+        last = self._last_activity()
+        self._paused.look(total, last, now - last)
+        due, reason = self._due()
+        if frozen:
+            due = max(due, now + clocks.FROZEN_RECHECK)
+        return due, reason
 
     def _watch(self) -> None:
         """Daemon thread: abandon the turn when its deadline or inactivity timeout passes.
@@ -426,6 +450,8 @@ class Supervisor:
                 return
             due, reason = self._due()
             now = time.monotonic()
+            if due <= now:
+                due, reason = self._due_after_pauses(now)
             if due <= now:
                 try:
                     self.stop(reason)
