@@ -37,7 +37,8 @@ def list_turns(backend: Backend, task_key: str | None = None, detail: bool = Fal
             ports = observe.ports_of_pids(view.pids)
         info = TurnInfo(task=rec.task_id, turn=rec.turn_id, state=rec.state, pids=view.pids,
                         owner_pid=rec.owner_pid, started_at=rec.started_at, reason=rec.reason or rec.problem,
-                        cpu_seconds=view.cpu_seconds, memory_bytes=mem, ports=ports, path=view.path)
+                        cpu_seconds=view.cpu_seconds, memory_bytes=mem, ports=ports, path=view.path,
+                        expires_at=rec.expires_at)
         if rec.limits:
             info.limits = turn_limits(rec)
         if detail or rec.limits or rec.v1_dirs:

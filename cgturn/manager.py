@@ -12,7 +12,7 @@ import os
 import time
 from typing import Iterable
 
-from . import admission, ids, listing, reasons
+from . import admission, ids, leases, listing, reasons
 from .backends.base import Backend
 from .errors import AccessDenied, NoSuchProcess, NoSuchTurn, UnsafeOperation
 from .host import choose_backend, discover_host, wanted_backend
@@ -39,8 +39,8 @@ def default_state_dir() -> str:
 class Listeners:
     """Observers of a manager's turns (the sentinel client, a gateway's hooks).
 
-    An observer may define turn_begun(turn), turn_touched(turn), turn_ended(task_key, turn_key) and
-    manager_closed(); each is called synchronously and must be cheap. A failing observer is logged
+    An observer may define turn_begun(turn), turn_touched(turn), turn_ended(task_key, turn_key),
+    lease_set(record) (a completed turn's lease was set, moved or cleared) and manager_closed(); each is called synchronously and must be cheap. A failing observer is logged
     and never breaks ownership.
     """
 
@@ -75,18 +75,21 @@ class TurnManager:
         sentinel: allow a supervisor to start the out-of-process sentinel for this manager
             (env CGTURN_SENTINEL=0 turns it off; default on). See docs/supervision.md.
         guard: a `cgturn.PressureGuard`: armed now, in the sentinel (see docs/guard.md).
+        lease: default seconds a completed turn's survivors may live, for `Turn.complete()`
+            without `keep_for` (env CGTURN_LEASE when not given; default None: until end_task).
 
     Constructing a manager creates nothing; the first turn creates the managed root.
 
     Raises:
-        ValueError: unknown backend name, or an explicit root that is not a usable path.
+        ValueError: unknown backend name, an explicit root that is not a usable path, a bad lease.
         CgroupUnavailable: backend="cgroup2" (or an explicit root) and cgroup v2 cannot be used.
         GuardUnavailable: the guard could not arm its trigger (the reason is in the message).
     """
 
     def __init__(self, root: str | None = None, backend: str | Backend | None = None,
                  state_dir: str | None = None, recover: bool = False, sentinel: bool | None = None,
-                 guard=None):
+                 guard=None, lease: float | None = None):
+        self.lease = leases.default_lease(lease)
         self.state_dir = state_dir or os.environ.get("CGTURN_STATE_DIR") or default_state_dir()
         if isinstance(backend, Backend):
             self.backend = backend
@@ -431,21 +434,47 @@ class TurnManager:
 
     # --- the state changes, shared by Turn, the supervision layer and the CLI ----------------------
 
-    def complete_turn(self, task_key: str, turn_key: str) -> tuple[bool, TurnRecord | None]:
-        """Move a running turn to completed; (won, record after). Removes it if nothing is left."""
-        won, rec = self.backend.transition(task_key, turn_key, {RUNNING}, COMPLETED, {"ended_at": time.time()})
+    def complete_turn(self, task_key: str, turn_key: str,
+                      keep_for: float | None = None) -> tuple[bool, TurnRecord | None]:
+        """Move a running turn to completed, its survivors leased for `keep_for` seconds (None: until
+        end_task); (won, record after). Removes it if nothing is left."""
+        now = time.time()
+        won, rec = self.backend.transition(task_key, turn_key, {RUNNING}, COMPLETED,
+                                           {"ended_at": now, "expires_at": leases.expires_at(now, keep_for)})
         if won and rec is not None:
             self.events.emit("turn_ended", task_key, turn_key)
+            if rec.expires_at is not None:
+                self.events.emit("lease_set", rec)
             if self.backend.wait_empty(rec, 0):
                 self._audit_limits_quietly(task_key, turn_key)  # its counters go with its cgroup
             if self.backend.wait_empty(rec, 0) and self.backend.remove(rec):
                 self.backend.remove_task(task_key)
         return won, rec
 
+    def set_lease(self, task_key: str, turn_key: str, seconds: float | None) -> TurnRecord:
+        """Lease a completed turn's survivors for `seconds` from now (None: until end_task); the
+        record after. Raises NoSuchTurn when there is no completed turn here."""
+        won, rec = self.backend.transition(task_key, turn_key, {COMPLETED}, COMPLETED,
+                                           {"expires_at": leases.expires_at(time.time(), seconds)})
+        if rec is None:
+            raise NoSuchTurn(f"no turn {turn_key!r} in task {task_key!r}")
+        if not won:
+            raise NoSuchTurn(f"turn {rec.turn_id!r} of task {rec.task_id!r} is {rec.state}: only a completed "
+                             "turn's survivors have a lease")
+        self.events.emit("lease_set", rec)
+        return rec
+
+    def expire_lease(self, task_key: str, turn_key: str) -> AbandonResult:
+        """Kill a completed turn's survivors if its lease has run out (reason `lease-expired`); checked
+        under the turn's lock, so a lease extended meanwhile holds. skipped=True when it has not."""
+        return self.abandon_turn(task_key, turn_key, reasons.LEASE_EXPIRED, 0.0, force=True,
+                                 when=lambda rec: leases.expired(rec, time.time()))
+
     def abandon_turn(self, task_key: str, turn_key: str, reason: str, grace: float,
                      force: bool = False, when=None) -> AbandonResult:
         """Mark the turn at this directory abandoned (first transition wins) and kill it. `when(record)`,
-        if given, must also hold under the turn's lock (the guard: "still frozen by me")."""
+        if given, must also hold under the turn's lock (the guard: "still frozen by me"; a lease: "still
+        run out")."""
         rec = self.backend.load(task_key, turn_key)
         if rec is None:
             return AbandonResult(skipped=True, reason=reason)

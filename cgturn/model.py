@@ -52,6 +52,8 @@ class TurnRecord:
     frozen_by: str | None = None
     frozen_at: float | None = None
     frozen_seconds: float = 0.0
+    # When a completed turn's survivors are killed (wall clock; None: they live until end_task).
+    expires_at: float | None = None
     # Why the record could not be trusted (state CORRUPT); never stored.
     problem: str | None = None
 
@@ -141,6 +143,8 @@ class TurnInfo:
     usage: "Usage | None" = None
     pressure: dict | None = None
     frozen: bool = False
+    # When the survivors' lease expires (wall clock), or None.
+    expires_at: float | None = None
 
     def to_json(self) -> dict:
         """The documented `cgturn ps --json` object (without `age_seconds`, which ps adds)."""
@@ -154,8 +158,9 @@ class TurnInfo:
         data.update(oom_kills=usage.oom_kills, pids_max_hits=usage.pids_max_hits,
                     memory_peak_bytes=usage.memory_peak_bytes, cpu_throttled_seconds=usage.cpu_throttled_seconds)
         data["pressure"] = self.pressure if self.pressure is not None else {r: None for r in ("cpu", "memory", "io")}
+        data["expires_at"] = None if self.expires_at is None else iso8601(self.expires_at)
         # Fields of features this version does not have yet, with their "off" values.
-        data.update(expires_at=None, sealed=False, network="host", keys={})
+        data.update(sealed=False, network="host", keys={})
         return data
 
 

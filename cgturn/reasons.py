@@ -16,6 +16,7 @@ ERROR = "error"                  # the supervised worker raised
 CANCELLED = "cancelled"          # the awaiting coroutine was cancelled
 OWNER_DIED = "owner-died"        # the process that began the turn is gone (sentinel, recovery)
 END_TASK = "end-task"            # `TurnManager.end_task`, `cgturn end`
+LEASE_EXPIRED = "lease-expired"  # a completed turn's survivors outlived their lease (Turn.complete(keep_for=))
 REAP_ON_EXIT = "reap-on-exit"    # `cgturn run --reap-on-exit`: the command exited
 NOT_FOUND = "not-found"          # `cgturn run`: the command could not be found
 NOT_EXECUTABLE = "not-executable"  # `cgturn run`: the command could not be executed

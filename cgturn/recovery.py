@@ -4,6 +4,7 @@ One pass over every turn, each judged on its own:
 - running, and its owner (pid + start time) is gone: abandon it (reason `owner-died`);
 - abandoned, and the process that was killing it is gone: finish the kill;
 - corrupt (no trustworthy record): kill it — the directory is a turn, whatever its record says;
+- completed, and its survivors' lease has run out: kill them (reason `lease-expired`);
 - completed with nothing left: remove it.
 An owner that cannot be looked at (AccessDenied) is not gone: its turn is left alone and reported.
 Then the task directories left empty are removed. Linear in the number of turns.
@@ -12,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import TYPE_CHECKING
 
-from . import reasons
+from . import leases, reasons
 from .errors import AccessDenied, CgturnError
 from .kernel import procfs
 from .model import ABANDONED, COMPLETED, CORRUPT, RUNNING, TurnRecord
@@ -27,6 +29,7 @@ ABANDONED_ACTION = "abandoned"          # a running turn whose owner died
 FINISHED_KILL = "finished-kill"         # an abandon whose killer died midway
 KILLED_CORRUPT = "killed-corrupt"       # a turn directory without a trustworthy record
 REMOVED = "removed"                     # a completed turn with nothing left
+LEASE_EXPIRED = "lease-expired"         # a completed turn whose survivors' lease ran out
 REMOVED_V1 = "removed-v1-dirs"          # v1 directories of a turn that is gone (`path`)
 KILLED_STRAY = "killed-stray"           # a process outside every turn, in a task directory or the root
 OWNER_UNKNOWN = "owner-unknown"         # the owner could not be looked at: left alone
@@ -110,6 +113,11 @@ def _recover_one(manager: "TurnManager", rec: TurnRecord) -> RecoveryAction | No
     if rec.state == CORRUPT:
         result = manager.abandon_turn(rec.task_key, rec.turn_key, reasons.CORRUPT_RECORD, grace=0.0)
         return RecoveryAction(KILLED_CORRUPT, rec.task_id, rec.turn_id, rec.problem, result.killed)
+    if leases.expired(rec, time.time()):
+        result = manager.expire_lease(rec.task_key, rec.turn_key)
+        if not result.skipped:
+            return RecoveryAction(LEASE_EXPIRED, rec.task_id, rec.turn_id, reasons.LEASE_EXPIRED, result.killed)
+        return None
     if rec.state == COMPLETED and manager.backend.wait_empty(rec, 0) and manager.backend.remove(rec):
         return RecoveryAction(REMOVED, rec.task_id, rec.turn_id)
     return None

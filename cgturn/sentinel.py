@@ -7,7 +7,7 @@ the turn through the same library path as the owner (a TurnManager of its own, s
 first-transition-wins rule and the audit log hold).
 
 Channel: an AF_UNIX SOCK_SEQPACKET socketpair; each datagram is one JSON message (`guard`, `touch`,
-`unguard`). Times are CLOCK_MONOTONIC, which is one clock for every process of the host. Touches are
+`unguard`, `lease`). Times are CLOCK_MONOTONIC, which is one clock for every process of the host. Touches are
 rate-limited in the owner (one per TOUCH_INTERVAL per turn), so a stopped owner simply reports none
 and its turn dies on time; the sentinel adds SLACK to every due time so the owner's own watchdog,
 which knows the exact activity, normally acts first.
@@ -21,7 +21,12 @@ and the owner logs a warning.
 
 Owner death: the sentinel holds a pidfd of the owner (5.3+) and also sees EOF on the socket. When the
 owner is dead it abandons every running turn it guards at once (reason `owner-died`, no grace);
-completed turns are not guarded, so their survivors stay. It exits when it guards nothing and the
+completed turns are not guarded, so their survivors stay.
+
+Leases: when the owner completes a turn with a lease (or moves one), it sends `lease` with the expiry
+(wall clock). At that time the sentinel reads the turn's record — the one truth, another process may
+have moved the lease — and kills the survivors (reason `lease-expired`) if it has run out. Leases are
+the sentinel's to carry out while it runs; `cgturn reap` and recovery carry out the rest. It exits when it guards nothing and the
 owner's channel is closed.
 
 This module is both the owner-side client (`attach`, `SentinelClient`) and the process (`main`).
@@ -44,7 +49,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import clocks, ids, processes, reasons, statefiles
+from . import clocks, ids, leases, processes, reasons, statefiles
 from .errors import AccessDenied, GuardUnavailable, SentinelUnavailable
 from .model import ABANDONED, COMPLETED
 
@@ -194,6 +199,9 @@ class SentinelClient:
         if self._send({"op": "touch", "key": _key(*ids_), "at": now}, block=False):
             self._last_touch[ids_] = now
 
+    def lease_set(self, rec) -> None:
+        self._send({"op": "lease", "key": [rec.task_key, rec.turn_key], "expires_at": rec.expires_at}, block=True)
+
     def turn_ended(self, task_key: str, turn_key: str) -> None:
         self._send({"op": "unguard", "key": [task_key, turn_key]}, block=True)
         # Forget rate-limit stamps of long-idle turns, so the dict does not grow with every turn.
@@ -299,6 +307,7 @@ class Sentinel:
         self.manager = manager
         self.sock: socket.socket | None = sock
         self.guards: dict[tuple[str, str], Guard] = {}
+        self.leases: dict[tuple[str, str], float] = {}  # turn key -> monotonic time to look at its lease
         self.owner_pidfd = _open_owner(owner_pid, owner_start)
         self.owner_dead = self.owner_pidfd is None
         self.kills: list[threading.Thread] = []
@@ -313,6 +322,7 @@ class Sentinel:
                 self._abandon_all(OWNER_DIED)
                 break
             self._fire_due()
+            self._expire_due_leases()
             self._sweep()
             if self.sock is None and not self.guards:
                 break
@@ -325,7 +335,7 @@ class Sentinel:
         if self.owner_dead:
             return 0.0
         now = time.monotonic()
-        dues = [d[0] for g in self.guards.values() if (d := g.due()) is not None]
+        dues = [d[0] for g in self.guards.values() if (d := g.due()) is not None] + list(self.leases.values())
         nearest = min(dues, default=now + 3600)
         if self.guards:
             nearest = min(nearest, self._next_sweep)
@@ -381,6 +391,11 @@ class Sentinel:
                 guard.last = max(guard.last, msg["at"])
         elif op == "unguard":
             self.guards.pop(key, None)
+        elif op == "lease":
+            if msg["expires_at"] is None:
+                self.leases.pop(key, None)
+            else:  # wall clock to monotonic: the record is checked against the wall clock when due
+                self.leases[key] = time.monotonic() + max(0.0, msg["expires_at"] - time.time())
 
     def _fire_due(self) -> None:
         now = time.monotonic()
@@ -391,6 +406,30 @@ class Sentinel:
             if due is not None and due[0] <= now:
                 del self.guards[key]
                 self._kill(guard, due[1], guard.grace)
+
+    def _expire_due_leases(self) -> None:
+        now = time.monotonic()
+        for key, due in list(self.leases.items()):
+            if due > now:
+                continue
+            del self.leases[key]
+            try:
+                rec = self.manager.backend.load(*key)
+            except Exception:  # noqa: BLE001 - one unreadable record must not end the sentinel
+                log.exception("cannot read the record of %r", key)
+                continue
+            if leases.expired(rec, time.time()):
+                self._start_thread(self._expire, key)
+            elif rec is not None and rec.state == COMPLETED and rec.expires_at is not None:
+                self.leases[key] = now + max(0.0, rec.expires_at - time.time())  # moved meanwhile
+
+    def _expire(self, key) -> None:
+        try:
+            result = self.manager.expire_lease(*key)
+            if not result.skipped:
+                log.info("lease of %r expired: killed %s", key, result.killed)
+        except Exception:  # noqa: BLE001 - one failed kill must not end the sentinel
+            log.exception("sentinel could not expire the lease of %r", key)
 
     def _due_after_pauses(self, key, guard: Guard, now: float) -> tuple[float, str] | None:
         """The guard's due time once the turn's frozen time is left out (its clocks stop while it is
@@ -419,8 +458,11 @@ class Sentinel:
             self._kill(guard, reason, 0.0)
 
     def _kill(self, guard: Guard, reason: str, grace: float) -> None:
+        self._start_thread(self._abandon, guard, reason, grace)
+
+    def _start_thread(self, target, *args) -> None:
         # One thread per kill: a turn's grace period must not delay another turn's deadline.
-        thread = threading.Thread(target=self._abandon, args=(guard, reason, grace), daemon=True)
+        thread = threading.Thread(target=target, args=args, daemon=True)
         thread.start()
         self.kills.append(thread)
 
@@ -456,8 +498,8 @@ def parse_message(data: bytes) -> dict:
         msg = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, RecursionError) as err:
         raise ValueError(str(err)) from None
-    if not isinstance(msg, dict) or msg.get("op") not in ("guard", "touch", "unguard"):
-        raise ValueError("not a guard, touch or unguard message")
+    if not isinstance(msg, dict) or msg.get("op") not in ("guard", "touch", "unguard", "lease"):
+        raise ValueError("not a guard, touch, unguard or lease message")
     key = msg.get("key")
     if not (isinstance(key, list) and len(key) == 2 and all(isinstance(k, str) and k for k in key)):
         raise ValueError(f"bad key {key!r:.80}")
@@ -474,6 +516,8 @@ def parse_message(data: bytes) -> dict:
         out["last"] = time.monotonic() if last is None else last
     elif msg["op"] == "touch":
         out["at"] = _number(msg, "at")
+    elif msg["op"] == "lease":
+        out["expires_at"] = _number(msg, "expires_at", optional=True)
     return out
 
 

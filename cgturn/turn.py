@@ -6,7 +6,7 @@ import subprocess
 import time
 from typing import TYPE_CHECKING
 
-from . import reasons
+from . import leases, reasons
 from .errors import NoSuchTurn
 from .model import ABANDONED, RUNNING, AbandonResult, TurnRecord
 
@@ -166,15 +166,35 @@ class Turn:
         self.last_activity = time.monotonic()
         self._manager.events.emit("turn_touched", self)
 
-    def complete(self) -> bool:
+    def complete(self, keep_for: float | None = None) -> bool:
         """Release ownership: what the turn left running survives every later (unforced) abandon.
 
+        Args:
+            keep_for: seconds its survivors may live (a lease; reason `lease-expired` when it runs
+                out, frozen or not). None: the manager's default lease (`TurnManager(lease=)`, env
+                CGTURN_LEASE), which is none — until end_task — unless set; `math.inf`: no lease.
+
         Returns True if this call completed the turn, False if it had already ended (e.g. abandoned).
+        Raises ValueError for a negative or non-numeric keep_for.
         """
-        won, rec = self._manager.complete_turn(*self.key)
+        keep_for = leases.validate(keep_for)
+        won, rec = self._manager.complete_turn(*self.key, self._manager.lease if keep_for is None else keep_for)
         if rec is not None:
             self._record = rec
         return won
+
+    def set_lease(self, seconds: float | None) -> None:
+        """Let a completed turn's survivors live `seconds` from now (None or `math.inf`: until end_task).
+
+        Raises NoSuchTurn when the turn is not completed (a running turn's processes are not
+        survivors yet), ValueError for a negative or non-numeric value.
+        """
+        self._record = self._manager.set_lease(*self.key, leases.validate(seconds, "seconds"))
+
+    @property
+    def expires_at(self) -> float | None:
+        """When the survivors' lease expires (wall clock, time.time()), or None."""
+        return self.record.expires_at
 
     def abandon(self, reason: str, grace: float = 2.0, force: bool = False) -> AbandonResult:
         """Kill everything the turn owns: SIGTERM, up to `grace` seconds, then SIGKILL.
