@@ -20,7 +20,7 @@ _EXPORTS = {
     "CgturnError": "errors", "CgroupUnavailable": "errors", "PermissionDenied": "errors", "TurnExists": "errors",
     "NoSuchTurn": "errors", "UnsafeOperation": "errors", "KernelError": "errors", "NoSuchProcess": "errors",
     "AccessDenied": "errors", "RegistryUnavailable": "errors", "LimitsUnavailable": "errors",
-    "Overloaded": "errors", "GuardUnavailable": "errors", "PressureGuard": "guard",
+    "Overloaded": "errors", "GuardUnavailable": "errors", "PressureGuard": "guard", "AlreadyRunning": "errors",
     "Limits": "limits", "Usage": "limits",
     "RecoveryAction": "recovery",
     "HostInfo": "host", "discover_host": "host", "choose_backend": "host", "doctor_report": "host",
@@ -50,8 +50,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from .errors import (AccessDenied, CgroupUnavailable, CgturnError, GuardUnavailable, KernelError,
-                         LimitsUnavailable, NoSuchProcess, NoSuchTurn, Overloaded, PermissionDenied,
+    from .errors import (AccessDenied, AlreadyRunning, CgroupUnavailable, CgturnError, GuardUnavailable,
+                         KernelError, LimitsUnavailable, NoSuchProcess, NoSuchTurn, Overloaded, PermissionDenied,
                          RegistryUnavailable, TurnExists, UnsafeOperation)
     from .guard import PressureGuard
     from .limits import Limits, Usage

@@ -40,6 +40,15 @@ class NoSuchProcess(CgturnError):
         super().__init__(message or f"no process {pid}")
 
 
+class AlreadyRunning(CgturnError):
+    """A process spawned with this key in the same task is still alive (`Turn.spawn(key=)`).
+    Carries `pid` (the live process holding the key) and `key`."""
+
+    def __init__(self, pid: int, key: str, message: str | None = None):
+        self.pid, self.key = pid, key
+        super().__init__(message or f"key {key!r} is held by process {pid}")
+
+
 class AccessDenied(PermissionDenied):
     """The process exists, or may, but the caller is not allowed to look at it (EACCES/EPERM under
     /proc, e.g. `hidepid=1`). Never to be taken for "gone". Carries `pid`."""

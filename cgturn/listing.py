@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+from . import keys
 from .backends.base import Backend
 from .backends.cgroup2_limits import turn_limits
 from .model import TurnInfo
@@ -39,6 +40,8 @@ def list_turns(backend: Backend, task_key: str | None = None, detail: bool = Fal
                         owner_pid=rec.owner_pid, started_at=rec.started_at, reason=rec.reason or rec.problem,
                         cpu_seconds=view.cpu_seconds, memory_bytes=mem, ports=ports, path=view.path,
                         expires_at=rec.expires_at)
+        if rec.keys:
+            info.keys = keys.live(rec.keys)
         if rec.limits:
             info.limits = turn_limits(rec)
         if detail or rec.limits or rec.v1_dirs:

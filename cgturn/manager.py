@@ -12,9 +12,9 @@ import os
 import time
 from typing import Iterable
 
-from . import admission, ids, leases, listing, reasons
+from . import admission, ids, keys, leases, listing, reasons
 from .backends.base import Backend
-from .errors import AccessDenied, NoSuchProcess, NoSuchTurn, UnsafeOperation
+from .errors import AccessDenied, AlreadyRunning, NoSuchProcess, NoSuchTurn, UnsafeOperation
 from .host import choose_backend, discover_host, wanted_backend
 from .kernel import procfs
 from .limits import Limits, Usage
@@ -497,6 +497,34 @@ class TurnManager:
         from . import killing
 
         return killing.kill_turn(self.backend, rec, rec.reason or reasons.UNKNOWN, 0.0, self.state_dir)
+
+    def spawn_keyed(self, rec: TurnRecord, argv, key: str, popen_kwargs: dict):
+        """Spawn into `rec`'s turn unless a live process spawned with `key` in its task holds the key
+        (AlreadyRunning); check, spawn and record are one step under the task's lock."""
+        keys.validate(key)
+        with self.backend.task_lock(rec.task_key):
+            for other in self.backend.records(rec.task_key):
+                held = keys.parse(other.keys).get(key)
+                if held is not None and keys.holds(*held):
+                    raise AlreadyRunning(held[0], key, f"key {key!r} of task {rec.task_id!r} is held by process "
+                                                       f"{held[0]} (turn {other.turn_id!r})")
+            proc = self.backend.spawn(rec, argv, popen_kwargs)
+            # Our unreaped child: its start time is its own (on cgroup2 the shim execs the target, same pid).
+            self._note_key(rec, key, (proc.pid, procfs.start_time(proc.pid)))
+        return proc
+
+    def _note_key(self, rec: TurnRecord, key: str, member: tuple[int, int]) -> None:
+        """Record `key` -> member on the turn (dropping keys whose process is gone), under its lock."""
+        for _ in range(3):  # the turn may complete between the load and the write
+            current = self.backend.load(rec.task_key, rec.turn_key)
+            if current is None or current.state not in (RUNNING, COMPLETED):
+                return  # abandoned: its kill takes the process, and the key with it
+            held = {k: v for k, v in keys.parse(current.keys).items() if keys.holds(*v)}
+            held[key] = member
+            won, _ = self.backend.transition(rec.task_key, rec.turn_key, {current.state}, current.state,
+                                             {"keys": keys.dump(held)})
+            if won:
+                return
 
     def adopt_into(self, rec: TurnRecord, pid: int) -> None:
         """Move process `pid` into the turn `rec`, refusing what must never be moved (Turn.adopt)."""

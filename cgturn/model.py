@@ -54,6 +54,9 @@ class TurnRecord:
     frozen_seconds: float = 0.0
     # When a completed turn's survivors are killed (wall clock; None: they live until end_task).
     expires_at: float | None = None
+    # Processes spawned with a key (cgturn.keys): JSON {key: [pid, start time]}, written under the
+    # task's lock; None when there are none.
+    keys: str | None = None
     # Why the record could not be trusted (state CORRUPT); never stored.
     problem: str | None = None
 
@@ -143,8 +146,9 @@ class TurnInfo:
     usage: "Usage | None" = None
     pressure: dict | None = None
     frozen: bool = False
-    # When the survivors' lease expires (wall clock), or None.
+    # When the survivors' lease expires (wall clock), or None; live keyed spawns {key: pid}.
     expires_at: float | None = None
+    keys: dict | None = None
 
     def to_json(self) -> dict:
         """The documented `cgturn ps --json` object (without `age_seconds`, which ps adds)."""
@@ -160,7 +164,8 @@ class TurnInfo:
         data["pressure"] = self.pressure if self.pressure is not None else {r: None for r in ("cpu", "memory", "io")}
         data["expires_at"] = None if self.expires_at is None else iso8601(self.expires_at)
         # Fields of features this version does not have yet, with their "off" values.
-        data.update(sealed=False, network="host", keys={})
+        data["keys"] = dict(self.keys or {})
+        data.update(sealed=False, network="host")
         return data
 
 

@@ -79,8 +79,12 @@ class Turn:
         """Pids of the turn's live processes."""
         return sorted(pid for pid, _ in self._manager.backend.members(self._record))
 
-    def spawn(self, argv, **popen_kwargs) -> subprocess.Popen:
+    def spawn(self, argv, *, key: str | None = None, **popen_kwargs) -> subprocess.Popen:
         """Start `argv` inside the turn: it is in the turn before the program runs its first instruction.
+
+        `key`: one instance per key in the task. While the process spawned with this key (in any turn
+        of the task, completed ones included) is alive, another spawn with it raises AlreadyRunning
+        (`.pid`); atomic across processes (cgturn.keys). The key names that process, not its children.
 
         Accepts subprocess.Popen's keyword arguments except `executable`, `user`, `group` and
         `extra_groups` (they would drop privileges before the process joins its turn). The
@@ -88,10 +92,13 @@ class Turn:
 
         Raises:
             NoSuchTurn: the turn is no longer running (completed or abandoned).
-            ValueError: a refused keyword argument, or an empty argv.
+            AlreadyRunning: a live process of the task holds `key`.
+            ValueError: a refused keyword argument, an empty argv, a blank key.
             FileNotFoundError / PermissionError: as Popen, for a missing or non-executable program.
         """
         # The backend checks that the turn is still running, at the moment that makes it race-free.
+        if key is not None:
+            return self._manager.spawn_keyed(self._record, argv, key, popen_kwargs)
         return self._manager.backend.spawn(self._record, argv, popen_kwargs)
 
     def adopt(self, pid: int) -> None:

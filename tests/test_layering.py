@@ -20,7 +20,7 @@ LAYERS = {
     "kernel": ("cgturn.kernel",),
     "backends": ("cgturn.backends",),
     "ownership": ("cgturn.manager", "cgturn.turn", "cgturn.killing", "cgturn.recovery", "cgturn.listing",
-                  "cgturn.host", "cgturn.processes", "cgturn.admission"),
+                  "cgturn.host", "cgturn.processes", "cgturn.admission", "cgturn.keys"),
     "supervision": ("cgturn.supervisor", "cgturn.sentinel", "cgturn.sentinel_main", "cgturn.guard"),
     "faces": ("cgturn.cli", "cgturn.pytest_plugin", "cgturn.metrics", "cgturn.__main__"),
 }

@@ -87,6 +87,11 @@ class Backend(abc.ABC):
         (the first transition wins) or does not exist (record None).
         """
 
+    @abc.abstractmethod
+    def task_lock(self, task_key: str):
+        """A context manager holding the task's lock, exclusive across processes and threads (what
+        makes a keyed spawn's check and spawn one step, cgturn.keys)."""
+
     # --- membership -------------------------------------------------------------------------------
 
     @abc.abstractmethod

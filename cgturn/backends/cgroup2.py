@@ -18,6 +18,7 @@ membership checks that make each race-free; the listing hot path lives in cgroup
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -295,6 +296,15 @@ class Cgroup2Backend(Backend):
                 return False, rec
             self.meta.save(cg, rec)
             return True, rec
+
+    @contextlib.contextmanager
+    def task_lock(self, task_key):
+        """flock(2) on the task's cgroup directory (each call opens its own fd, so threads exclude
+        each other too); the task exists while one of its turns does."""
+        with self.root.child(task_key).lock() as present:
+            if not present:
+                raise NoSuchTurn(f"task directory {task_key!r} no longer exists")
+            yield
 
     # --- membership -------------------------------------------------------------------------------
 

@@ -250,7 +250,8 @@ def _from_json(data: dict) -> TurnRecord | None:
     if not (rec.frozen_by is None or rec.frozen_by in ("user", "guard")) \
             or not (rec.frozen_at is None or isinstance(rec.frozen_at, (int, float))) \
             or not isinstance(rec.frozen_seconds, (int, float)) \
-            or not (rec.expires_at is None or isinstance(rec.expires_at, (int, float))):
+            or not (rec.expires_at is None or isinstance(rec.expires_at, (int, float))) \
+            or not (rec.keys is None or isinstance(rec.keys, str)):
         return None
     if not isinstance(rec.v1_dirs, bool) or type(rec.audited_oom_kills) is not int \
             or type(rec.audited_pids_max_hits) is not int:

@@ -27,6 +27,7 @@ algorithm over the same snapshot; the database and the orphan reaper are modules
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -166,6 +167,12 @@ class RegistryBackend(Backend):
                 return False, rec
             self.db.save(conn, rec)
             return True, rec
+
+    @contextlib.contextmanager
+    def task_lock(self, task_key):
+        """The database's write lock (one write transaction; the spawn's own writes join it)."""
+        with self.db.write():
+            yield
 
     # --- membership -------------------------------------------------------------------------------
 

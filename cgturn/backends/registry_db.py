@@ -42,6 +42,7 @@ class RegistryDatabase:
         self._lock = threading.RLock()
         self._conn: sqlite3.Connection | None = None
         self._conn_pid = -1
+        self._depth = 0  # open write() blocks of the thread holding _lock: only the outermost commits
         self.columns = [name for name, _ in _turn_columns()]
 
     def _connect(self) -> sqlite3.Connection:
@@ -66,13 +67,22 @@ class RegistryDatabase:
 
     @contextlib.contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
-        """A short write transaction holding the database write lock (BEGIN IMMEDIATE)."""
+        """A short write transaction holding the database write lock (BEGIN IMMEDIATE). Inside another
+        write() of the same thread it joins that transaction (the outermost commits or rolls back)."""
         with self._lock:
             conn = self._connect()
+            if self._depth:
+                self._depth += 1
+                try:
+                    yield conn
+                finally:
+                    self._depth -= 1
+                return
             try:
                 conn.execute("BEGIN IMMEDIATE")
             except sqlite3.Error as err:
                 raise RegistryUnavailable(f"cannot write registry {self.path}: {err}") from err
+            self._depth = 1
             try:
                 yield conn
                 conn.execute("COMMIT")
@@ -81,6 +91,8 @@ class RegistryDatabase:
                 if isinstance(exc, sqlite3.Error):
                     raise RegistryUnavailable(f"cannot write registry {self.path}: {exc}") from exc
                 raise
+            finally:
+                self._depth = 0
 
     def read(self, sql: str, args: tuple = ()) -> list[tuple]:
         """Rows of a query; [] when no registry exists yet (a reader creates nothing)."""
