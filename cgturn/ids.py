@@ -37,18 +37,24 @@ def validate(value: object, what: str) -> str:
     Rejected: non-strings, blank strings, strings with NUL, strings that cannot be encoded as UTF-8
     (lone surrogates), and strings longer than MAX_ID_BYTES bytes of UTF-8.
     """
+    return validate_text(value, f"{what} id", MAX_ID_BYTES)
+
+
+def validate_text(value: object, what: str, max_bytes: int) -> str:
+    """Return `value` if it is recordable text (ids, reasons, spawn keys); ValueError naming `what`
+    otherwise: not a string, blank, NUL, not UTF-8 (a lone surrogate), over `max_bytes` of UTF-8."""
     if not isinstance(value, str):
-        raise ValueError(f"{what} id must be a string, not {type(value).__name__}")
+        raise ValueError(f"{what} must be a string, not {type(value).__name__}")
     if not value.strip():
-        raise ValueError(f"{what} id must not be blank")
+        raise ValueError(f"{what} must not be blank")
     if "\x00" in value:
-        raise ValueError(f"{what} id must not contain NUL")
+        raise ValueError(f"{what} must not contain NUL")
     try:
         size = len(value.encode("utf-8"))
     except UnicodeEncodeError:
-        raise ValueError(f"{what} id is not valid UTF-8 text") from None
-    if size > MAX_ID_BYTES:
-        raise ValueError(f"{what} id is {size} bytes long; the limit is {MAX_ID_BYTES}")
+        raise ValueError(f"{what} is not valid UTF-8 text") from None
+    if size > max_bytes:
+        raise ValueError(f"{what} is {size} bytes long; the limit is {max_bytes}")
     return value
 
 

@@ -12,23 +12,13 @@ from __future__ import annotations
 import json
 
 from .errors import AccessDenied
-from .ids import MAX_ID_BYTES
+from .ids import MAX_ID_BYTES, validate_text
 from .kernel import procfs
 
 
 def validate(key: object) -> str:
     """Return `key` if it can name a spawn; ValueError otherwise (blank, NUL, not UTF-8, too long)."""
-    if not isinstance(key, str):
-        raise ValueError(f"key must be a string, not {type(key).__name__}")
-    if not key.strip() or "\x00" in key:
-        raise ValueError("key must not be blank or contain NUL")
-    try:
-        size = len(key.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise ValueError("key is not valid UTF-8 text") from None
-    if size > MAX_ID_BYTES:
-        raise ValueError(f"key is {size} bytes long; the limit is {MAX_ID_BYTES}")
-    return key
+    return validate_text(key, "key", MAX_ID_BYTES)
 
 
 def parse(text: str | None) -> dict[str, tuple[int, int]]:

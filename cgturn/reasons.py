@@ -7,6 +7,8 @@ touched.
 """
 from __future__ import annotations
 
+from .ids import validate_text
+
 TIMEOUT = "timeout"              # inactivity timeout (supervisor, sentinel, `cgturn run --timeout`)
 DEADLINE = "deadline"            # hard deadline since the turn started
 STOP = "stop"                    # an explicit /stop (`Supervisor.stop`, `cgturn stop`)
@@ -44,16 +46,4 @@ def validate(reason: object) -> str:
     Refused: non-strings, blank strings, NUL, text that is not valid UTF-8 (lone surrogates, as
     `sys.argv` carries undecodable bytes), and more than MAX_REASON_BYTES bytes.
     """
-    if not isinstance(reason, str):
-        raise ValueError(f"reason must be a string, not {type(reason).__name__}")
-    if not reason.strip():
-        raise ValueError("reason must not be blank")
-    if "\x00" in reason:
-        raise ValueError("reason must not contain NUL")
-    try:
-        size = len(reason.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise ValueError("reason is not valid UTF-8 text") from None
-    if size > MAX_REASON_BYTES:
-        raise ValueError(f"reason is {size} bytes long; the limit is {MAX_REASON_BYTES}")
-    return reason
+    return validate_text(reason, "reason", MAX_REASON_BYTES)
