@@ -45,6 +45,10 @@ def register(sub) -> None:
     common.add_limit_options(p)
     p.add_argument("--admit-timeout", type=common.non_negative_seconds,
                    help="wait up to S seconds while the pressure guard reports pressure (then exit 125)")
+    p.add_argument("--keep-for", type=common.non_negative_seconds, metavar="S",
+                   help="when CMD exits, what it left running may live S more seconds (a lease)")
+    p.add_argument("--key", type=_key, metavar="K",
+                   help="one instance per key in the task: exit 125 while a process spawned with K runs")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
     p.set_defaults(handler=run)
 
@@ -71,9 +75,18 @@ def run(args) -> int:
             raise  # bad input (exit 2), not a failure to start
         except CgturnError as err:  # SentinelUnavailable, LimitsUnavailable, ...: CMD never started
             return _cannot_start(cmd, err)
-        return _supervise(turn, cmd, args.timeout, args.grace, args.reap_on_exit, limits)
+        return _supervise(turn, cmd, args, limits)
     finally:
         manager.close()
+
+
+def _key(text: str) -> str:
+    from .. import ids
+
+    try:
+        return ids.validate_text(text, "key", ids.MAX_ID_BYTES)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _cannot_start(cmd: list[str], err: CgturnError) -> int:
@@ -81,15 +94,16 @@ def _cannot_start(cmd: list[str], err: CgturnError) -> int:
     return EXIT_CANNOT_START
 
 
-def _supervise(turn, cmd: list[str], timeout: float | None, grace: float, reap_on_exit: bool, limits) -> int:
+def _supervise(turn, cmd: list[str], args, limits) -> int:
     """Run CMD in the turn under a Supervisor; report limit hits; map its outcome to the exit status.
 
     `--timeout` is the supervisor's inactivity timeout with no activity source, i.e. wall-clock time
     since start (reason `timeout`); the sentinel holds it too, so a SIGSTOPped `cgturn run` still
     loses its turn on time, and a SIGKILLed one loses it at once (`owner-died`).
     """
-    from .. import Supervisor
+    from .. import AlreadyRunning, NoSuchTurn, Supervisor
 
+    timeout, grace, reap_on_exit = args.timeout, args.grace, args.reap_on_exit
     received: list[int] = []
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -98,7 +112,10 @@ def _supervise(turn, cmd: list[str], timeout: float | None, grace: float, reap_o
     try:
         sup = Supervisor(turn, timeout=timeout, grace=grace, on_interrupt=lambda _reason: _poke(wake_w))
         try:
-            proc = turn.spawn(cmd)
+            proc = turn.spawn(cmd, key=args.key)
+        except AlreadyRunning as err:
+            sup.stop(reasons.ERROR, grace=0, interrupt=False)
+            return _cannot_start(cmd, err)
         except FileNotFoundError:
             sup.stop(reasons.NOT_FOUND, grace=0, interrupt=False)
             print(f"cgturn: {cmd[0]}: command not found", file=sys.stderr)
@@ -113,6 +130,11 @@ def _supervise(turn, cmd: list[str], timeout: float | None, grace: float, reap_o
         outcome = sup.run_blocking(_worker, sup, turn, proc, wake_r, received, reap_on_exit)
         for line in limit_messages(outcome.usage, limits):  # read before the turn completed or was removed
             print(f"cgturn: {line}", file=sys.stderr)
+        if outcome.completed and args.keep_for is not None:
+            try:
+                turn.set_lease(args.keep_for)
+            except NoSuchTurn:
+                pass  # nothing was left running: the completed turn is already gone
         if outcome.completed or outcome.reason == reasons.REAP_ON_EXIT:
             code = outcome.result if outcome.completed else proc.returncode
             return code if code >= 0 else 128 - code
