@@ -356,3 +356,50 @@ def _ps(root, state_dir):
     out = subprocess.run(cgturn_argv(root, state_dir, "ps", "--json"), env=cgturn_env(), capture_output=True,
                          text=True, timeout=60)
     return json.loads(out.stdout)
+
+
+def _stall_rate(gateway: str, seconds: float) -> float:
+    """Microseconds of `some` CPU stall per second of the watched cgroup, over `seconds` (a
+    measurement window, not a wait for an event)."""
+    path = os.path.join(gateway, "cpu.pressure")
+    read = lambda: parsers.parse_pressure(open(path).read())["some"]["total"]  # noqa: E731
+    before, started = read(), time.monotonic()
+    time.sleep(seconds)
+    return (read() - before) / (time.monotonic() - started)
+
+
+def test_freezing_the_hog_relieves_the_gateway(cgroup2_root, state_dir, gateway):
+    """What the guard is for: the gateway's stall time falls once the hog is frozen."""
+    plain = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, sentinel=False)
+    try:
+        hog = _hog(plain)
+        loaded = _stall_rate(gateway, 1.0)
+        assert loaded > 50_000, loaded  # 3 busy loops on 2 cores beside the gateway: it waits for a core
+        with _guarded(cgroup2_root, state_dir, gateway, thaw_after=600, abandon_after=600):
+            assert wait_until(lambda: hog.record.frozen_by == "guard", timeout=DEADLINE)
+            relieved = _stall_rate(gateway, 1.0)
+        assert relieved < loaded / 2, (loaded, relieved)
+        hog.abandon("test-done", grace=0)
+    finally:
+        plain.close()
+
+
+def test_cgturn_guard_in_the_foreground_freezes_and_thaws_on_sigterm(cgroup2_root, state_dir, gateway):
+    """`cgturn guard` as an operator runs it (a unit of its own): it freezes the hog under pressure,
+    and SIGTERM thaws what it froze and exits 0."""
+    plain = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, sentinel=False)
+    guard = subprocess.Popen(cgturn_argv(cgroup2_root, state_dir, "guard", "--resource", "cpu", "--trigger",
+                                         TRIGGER, "--watch", gateway, "--thaw-after", "600"),
+                             env=cgturn_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        hog = _hog(plain)
+        assert wait_until(lambda: hog.record.frozen_by == "guard", timeout=DEADLINE)
+        guard.send_signal(signal.SIGTERM)
+        assert guard.wait(timeout=30) == 0, guard.stderr.read()
+        assert hog.record.frozen_by is None and hog.record.state == "running"
+        hog.abandon("test-done", grace=0)
+    finally:
+        if guard.poll() is None:
+            guard.kill()
+            guard.wait()
+        plain.close()
