@@ -231,7 +231,7 @@ def test_ps_shows_the_limits_and_figures_of_real_turns(cgroup2_root, state_dir):
     assert isinstance(row["cpu_throttled_seconds"], float) and row["cpu_throttled_seconds"] >= 0
     assert set(row["pressure"]) == {"cpu", "memory", "io"}
     for figures in row["pressure"].values():
-        assert figures is None or set(figures) == {"some_avg10", "full_avg10"}
+        assert figures is None or set(figures) == {"some_avg10", "full_avg10", "some_total_usec", "full_total_usec"}
     assert (row["frozen"], row["expires_at"], row["sealed"], row["network"], row["keys"]) == \
         (False, None, False, "host", {})
     table = cli(cgroup2_root, state_dir, "ps").stdout.splitlines()

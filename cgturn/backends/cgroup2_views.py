@@ -111,5 +111,6 @@ def pressure(path: str) -> dict:
             continue
         some, full = parsed.get("some"), parsed.get("full")
         out[resource] = None if some is None else {
-            "some_avg10": some.get("avg10"), "full_avg10": None if full is None else full.get("avg10")}
+            "some_avg10": some.get("avg10"), "full_avg10": None if full is None else full.get("avg10"),
+            "some_total_usec": some.get("total"), "full_total_usec": None if full is None else full.get("total")}
     return out

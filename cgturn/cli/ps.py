@@ -37,10 +37,14 @@ def snapshot(args, manager=None) -> list[dict]:
     return rows
 
 
+# A turn's pressure shows in EVENTS once some of its tasks stalled at least this share of the last 10 s.
+PSI_SHOWN = 1.0
+
+
 def format_table(rows: list[dict]) -> str:
     """The human-readable table of `rows` (what `ps` and `watch` print). MEM is used/limit when the
-    turn has a memory limit; an EVENTS column (OOM kills, refused forks, frozen) appears when any
-    turn has one."""
+    turn has a memory limit; an EVENTS column (OOM kills, refused forks, frozen, pressure stalls of
+    PSI_SHOWN % or more) appears when any turn has one."""
     header = ("TASK", "TURN", "STATE", "PIDS", "AGE", "CPU", "MEM", "PORTS", "OWNER")
     events = [_events(row) for row in rows]
     if any(events):
@@ -69,6 +73,10 @@ def _events(row: dict) -> str:
         out.append(f"pids-max:{row['pids_max_hits']}")
     if row["frozen"]:
         out.append("frozen")
+    stalled = [f"{name}={figures['some_avg10']:.1f}%" for name, figures in (row.get("pressure") or {}).items()
+               if figures and (figures.get("some_avg10") or 0) >= PSI_SHOWN]
+    if stalled:
+        out.append("psi:" + "/".join(stalled))
     return ",".join(out)
 
 
