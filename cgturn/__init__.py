@@ -20,6 +20,7 @@ _EXPORTS = {
     "CgturnError": "errors", "CgroupUnavailable": "errors", "PermissionDenied": "errors", "TurnExists": "errors",
     "NoSuchTurn": "errors", "UnsafeOperation": "errors", "KernelError": "errors", "NoSuchProcess": "errors",
     "AccessDenied": "errors", "RegistryUnavailable": "errors", "LimitsUnavailable": "errors",
+    "IsolationUnavailable": "errors",
     "Overloaded": "errors", "GuardUnavailable": "errors", "PressureGuard": "guard", "AlreadyRunning": "errors",
     "Limits": "limits", "Usage": "limits",
     "RecoveryAction": "recovery",
@@ -51,6 +52,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from .errors import (AccessDenied, AlreadyRunning, CgroupUnavailable, CgturnError, GuardUnavailable,
+                         IsolationUnavailable,
                          KernelError, LimitsUnavailable, NoSuchProcess, NoSuchTurn, Overloaded, PermissionDenied,
                          RegistryUnavailable, TurnExists, UnsafeOperation)
     from .guard import PressureGuard

@@ -63,6 +63,12 @@ class LimitsUnavailable(CgturnError):
     The message says which limit and why (no controller delegated, a v1-only or v2-only file, ...)."""
 
 
+class IsolationUnavailable(CgturnError):
+    """A turn asked for isolation (`seal`, `network="none"`) or a spawn for another user, and this host
+    or backend cannot give it: a namespace the kernel refuses, a missing helper binary (util-linux
+    `setpriv`, `unshare`, `nsenter`), or the registry backend. Raised before anything is created or run."""
+
+
 class RegistryUnavailable(CgturnError):
     """The registry database cannot be opened or written (permissions, corrupt file, full disk)."""
 

@@ -86,14 +86,18 @@ class Turn:
         of the task, completed ones included) is alive, another spawn with it raises AlreadyRunning
         (`.pid`); atomic across processes (cgturn.keys). The key names that process, not its children.
 
-        Accepts subprocess.Popen's keyword arguments except `executable`, `user`, `group` and
-        `extra_groups` (they would drop privileges before the process joins its turn). The
-        environment gains CGTURN_TASK, CGTURN_TURN (encoded names) and CGTURN_SCOPE.
+        Accepts subprocess.Popen's keyword arguments except `executable`. `user`, `group` and
+        `extra_groups` take effect after the process joined its turn (util-linux setpriv execs the
+        target): `user` alone also gives the user's primary group and its groups from the group
+        database; `group` alone clears supplementary groups. The environment gains CGTURN_TASK,
+        CGTURN_TURN (encoded names) and CGTURN_SCOPE.
 
         Raises:
             NoSuchTurn: the turn is no longer running (completed or abandoned).
             AlreadyRunning: a live process of the task holds `key`.
-            ValueError: a refused keyword argument, an empty argv, a blank key.
+            ValueError: a refused keyword argument, an empty argv, a blank key, an unknown user or
+                group (no process is started).
+            IsolationUnavailable: setpriv is not installed.
             FileNotFoundError / PermissionError: as Popen, for a missing or non-executable program.
         """
         # The backend checks that the turn is still running, at the moment that makes it race-free.

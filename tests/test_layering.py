@@ -16,7 +16,7 @@ PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 ORDER = ("leaves", "kernel", "backends", "ownership", "supervision", "faces")
 LAYERS = {
     "leaves": ("cgturn.model", "cgturn.ids", "cgturn.errors", "cgturn.reasons", "cgturn.audit",
-               "cgturn.statefiles", "cgturn.limits", "cgturn.clocks", "cgturn.leases"),
+               "cgturn.statefiles", "cgturn.limits", "cgturn.clocks", "cgturn.leases", "cgturn.identity"),
     "kernel": ("cgturn.kernel",),
     "backends": ("cgturn.backends",),
     "ownership": ("cgturn.manager", "cgturn.turn", "cgturn.killing", "cgturn.recovery", "cgturn.listing",

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import subprocess
 
     from ..limits import Limits, Usage
+    from ..identity import Identity
 
 ENV_TASK = "CGTURN_TASK"
 ENV_TURN = "CGTURN_TURN"
@@ -26,14 +27,12 @@ ENV_TURN = "CGTURN_TURN"
 ENV_SCOPE = "CGTURN_SCOPE"
 
 # Popen keyword arguments that cgturn cannot honour without weakening ownership, and what to do instead.
-# user/group/extra_groups drop privileges before the process could join its turn's cgroup (only a
-# privileged process may write cgroup.procs there); wrapping the command keeps the join first.
 _REFUSED_KWARGS = {
     "executable": "put the program in argv[0]",
-    "user": "wrap the command instead, e.g. ['setpriv', '--reuid=USER', '--regid=GROUP', '--init-groups', ...]",
-    "group": "wrap the command instead, e.g. ['setpriv', '--regid=GROUP', '--clear-groups', ...]",
-    "extra_groups": "wrap the command instead, e.g. ['setpriv', '--groups=G1,G2', ...]",
 }
+# Popen would drop privileges before the process joins its turn (only a privileged process may write
+# cgroup.procs there): the backends drop them after the join instead (isolation.py).
+IDENTITY_KWARGS = ("user", "group", "extra_groups")
 
 Member = tuple[int, int]  # (pid, start time in clock ticks since boot)
 
@@ -277,19 +276,23 @@ def turn_tag(env: dict[str, str] | None, scope: str) -> tuple[str, str] | None:
 
 # --- spawn preparation shared by both backends ----------------------------------------------------
 
-def prepare_spawn(argv, popen_kwargs: dict) -> tuple[list[str], str, dict]:
+def prepare_spawn(argv, popen_kwargs: dict) -> tuple[list[str], str, dict, "Identity | None"]:
     """Normalise a spawn request and resolve its program; the environment is left to the backend.
 
     Resolving in the parent keeps Popen's behaviour for a missing or non-executable program
     (FileNotFoundError / PermissionError raised by spawn) even though a shim may run first.
 
-    Returns (argv as a list of str, the program's resolved path, Popen kwargs).
+    Returns (argv as a list of str, the program's resolved path, Popen kwargs, the identity
+    `user=`/`group=`/`extra_groups=` ask for or None). Raises ValueError for an unknown user or group.
     """
+    from ..identity import resolve_identity
+
     kwargs = dict(popen_kwargs)
     for name, instead in _REFUSED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise ValueError(f"Turn.spawn does not support {name}=; {instead}")
         kwargs.pop(name, None)
+    identity = resolve_identity(*(kwargs.pop(name, None) for name in IDENTITY_KWARGS))
     if kwargs.pop("shell", False):  # as Popen does on POSIX: the rest become the shell's $0, $1, ...
         argv = ["/bin/sh", "-c", os.fsdecode(argv)] if isinstance(argv, (str, bytes)) else \
             ["/bin/sh", "-c", *map(os.fsdecode, argv)]
@@ -302,7 +305,7 @@ def prepare_spawn(argv, popen_kwargs: dict) -> tuple[list[str], str, dict]:
     env = kwargs.get("env")
     path = os.environ.get("PATH", os.defpath) if env is None else env.get("PATH", env.get(b"PATH", os.defpath))
     program = resolve_program(argv[0], os.fsdecode(path), kwargs.get("cwd"))
-    return argv, program, kwargs
+    return argv, program, kwargs, identity
 
 
 def with_environment(kwargs: dict, additions: dict[str, str]) -> dict:

@@ -33,7 +33,7 @@ from ..limits import Limits, Usage
 from ..kernel.discovery import own_cgroup_dir
 from ..model import COMPLETED, CORRUPT, RUNNING, TurnRecord, TurnView
 from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag
-from . import cgroup2_views
+from . import cgroup2_views, isolation
 from .cgroup2_limits import Layout, turn_limits
 from .metadata import XATTR_KEY, MetadataStore
 
@@ -311,13 +311,14 @@ class Cgroup2Backend(Backend):
     def spawn(self, record, argv, popen_kwargs) -> "subprocess.Popen":
         import subprocess
 
-        argv, program, kwargs = prepare_spawn(argv, popen_kwargs)
+        argv, program, kwargs, identity = prepare_spawn(argv, popen_kwargs)
+        steps = isolation.drop_privileges(identity)  # run after "go": inside the turn, as the caller
         gate = self.gates.open()
         shim = ["/bin/sh", "-c", SPAWN_SHIM, gate.path, record.task_key, record.turn_key, self.scope]
         if gate.pass_fds:
             kwargs["pass_fds"] = (*kwargs.get("pass_fds", ()), *gate.pass_fds)
         try:
-            proc = subprocess.Popen([*shim, program, *argv[1:]], **kwargs)
+            proc = subprocess.Popen([*shim, *steps, program, *argv[1:]], **kwargs)
         except BaseException:
             self.gates.discard(gate)
             raise

@@ -40,6 +40,7 @@ from typing import Callable, Iterable
 from ..errors import AccessDenied, NoSuchProcess, NoSuchTurn, TurnExists
 from ..kernel import procfs
 from ..model import COMPLETED, RUNNING, TurnRecord
+from . import isolation
 from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag, turn_tag, with_environment
 from .reaper import SPAWN_LOCK, OrphanReaper, acquire_subreaper, note_spawned, release_subreaper
 from .registry_db import RegistryDatabase
@@ -177,12 +178,15 @@ class RegistryBackend(Backend):
     # --- membership -------------------------------------------------------------------------------
 
     def spawn(self, record, argv, popen_kwargs) -> subprocess.Popen:
-        argv, program, kwargs = prepare_spawn(argv, popen_kwargs)
+        argv, program, kwargs, identity = prepare_spawn(argv, popen_kwargs)
         kwargs = with_environment(kwargs, self.env_for(record))
+        # setpriv drops privileges and execs the target in the same process, so the pid recorded below
+        # is the target's; both backends then give user=/group= the same meaning (isolation.py).
+        steps = isolation.drop_privileges(identity)
         if not self._running(record):
             raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} is not running; cannot spawn")
         with SPAWN_LOCK:
-            proc = subprocess.Popen([program, *argv[1:]], **kwargs)
+            proc = subprocess.Popen([*steps, program, *argv[1:]], **kwargs)
             # Our unreaped child: its pid cannot be recycled yet, so this start time is its own.
             started = procfs.start_time(proc.pid)
             note_spawned(proc.pid, started)

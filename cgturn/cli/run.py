@@ -49,6 +49,10 @@ def register(sub) -> None:
                    help="when CMD exits, what it left running may live S more seconds (a lease)")
     p.add_argument("--key", type=_key, metavar="K",
                    help="one instance per key in the task: exit 125 while a process spawned with K runs")
+    p.add_argument("--user", help="run CMD as this user (name or uid), after it joined its turn")
+    p.add_argument("--group", help="and with this group (default: the user's primary group)")
+    p.add_argument("--extra-groups", type=lambda text: [g for g in text.split(",") if g], metavar="G,...",
+                   help="supplementary groups (default: the user's, from the group database)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
     p.set_defaults(handler=run)
 
@@ -58,6 +62,8 @@ def run(args) -> int:
     if not cmd:
         raise ValueError("run needs a command after --")
     limits = common.limits_from_args(args)  # contradictions exit 2 here, before a sentinel or a turn
+    from ..identity import resolve_identity
+    resolve_identity(args.user, args.group, args.extra_groups)  # an unknown user or group exits 2 here too
     from .. import attach_sentinel  # supervision pulls in asyncio: only `run` pays for it
 
     try:
@@ -112,7 +118,7 @@ def _supervise(turn, cmd: list[str], args, limits) -> int:
     try:
         sup = Supervisor(turn, timeout=timeout, grace=grace, on_interrupt=lambda _reason: _poke(wake_w))
         try:
-            proc = turn.spawn(cmd, key=args.key)
+            proc = turn.spawn(cmd, key=args.key, user=args.user, group=args.group, extra_groups=args.extra_groups)
         except AlreadyRunning as err:
             sup.stop(reasons.ERROR, grace=0, interrupt=False)
             return _cannot_start(cmd, err)

@@ -1,0 +1,40 @@
+"""What a spawn runs between joining its turn and its target: util-linux helpers that drop privileges
+(and, for a turn that asks, enter its network namespace and seal it), chained by exec.
+
+The shim (cgroup2.SPAWN_SHIM) execs `"$@"` once the parent has moved it into its turn; the backend
+puts these helpers in front of the target there, so every step runs inside the turn, as the caller,
+before the target's first instruction: the process joins its turn with the caller's privileges (only
+those may write cgroup.procs), then `setpriv(1)` drops them and execs the target. Popen's own
+`user=`/`group=` would drop them before the join.
+
+Everything a step needs is resolved in the parent before any process or cgroup exists: an unknown user
+or group is a ValueError, a missing helper an IsolationUnavailable.
+"""
+from __future__ import annotations
+
+import functools
+import shutil
+
+from ..errors import IsolationUnavailable
+from ..identity import Identity
+
+SETPRIV = "setpriv"
+
+
+@functools.lru_cache(maxsize=None)
+def helper(name: str) -> str:
+    """The absolute path of a util-linux helper; IsolationUnavailable when it is not installed."""
+    found = shutil.which(name, path="/usr/bin:/bin:/usr/sbin:/sbin")
+    if found is None:
+        raise IsolationUnavailable(f"{name} (util-linux) is not installed: cannot isolate the spawn")
+    return found
+
+
+def drop_privileges(identity: Identity | None) -> list[str]:
+    """The helper command (without the target) that becomes `identity`; [] for none.
+
+    Raises IsolationUnavailable when setpriv is not installed.
+    """
+    if identity is None:
+        return []
+    return [helper(SETPRIV), *identity.setpriv_args(), "--"]
