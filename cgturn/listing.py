@@ -25,6 +25,8 @@ def list_turns(backend: Backend, task_key: str | None = None, detail: bool = Fal
         return []
     from .kernel import observe  # sockets and psutil: only when there is a turn to look at
     sockets = _listening_sockets() if any(v.cgroup_ids for v in views) else None
+    if sockets is not None:  # sock_diag answers for one network namespace: dump in each turn's own
+        sockets = sockets + _sockets_in_namespaces(views)
     index = observe.by_cgroup(sockets) if sockets is not None else None
     out = []
     for view in views:
@@ -39,7 +41,7 @@ def list_turns(backend: Backend, task_key: str | None = None, detail: bool = Fal
         info = TurnInfo(task=rec.task_id, turn=rec.turn_id, state=rec.state, pids=view.pids,
                         owner_pid=rec.owner_pid, started_at=rec.started_at, reason=rec.reason or rec.problem,
                         cpu_seconds=view.cpu_seconds, memory_bytes=mem, ports=ports, path=view.path,
-                        expires_at=rec.expires_at)
+                        expires_at=rec.expires_at, sealed=bool(rec.sealed), network=rec.network)
         if rec.keys:
             info.keys = keys.live(rec.keys)
         if rec.limits:
@@ -52,6 +54,22 @@ def list_turns(backend: Backend, task_key: str | None = None, detail: bool = Fal
         out.append(info)
     out.sort(key=lambda info: (info.started_at, info.task, info.turn))
     return out
+
+
+def _sockets_in_namespaces(views) -> list:
+    """Listening sockets of the turns with a network of their own, one dump per namespace (entered
+    through a live member's /proc/PID/ns/net); a namespace that cannot be entered lists no ports."""
+    from .kernel import observe
+
+    found, seen = [], set()
+    for view in views:
+        if view.record.network == "host" or not view.cgroup_ids:
+            continue
+        try:
+            found.extend(observe.listening_sockets_of(view.pids, seen))
+        except observe.DiagUnavailable as err:
+            log.info("ports of turn %r: %s", view.record.turn_id, err)
+    return found
 
 
 def _listening_sockets():

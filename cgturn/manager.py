@@ -18,7 +18,7 @@ from .errors import AccessDenied, AlreadyRunning, NoSuchProcess, NoSuchTurn, Uns
 from .host import choose_backend, discover_host, wanted_backend
 from .kernel import procfs
 from .limits import Limits, Usage
-from .model import ABANDONED, COMPLETED, CORRUPT, RUNNING, AbandonResult, TurnInfo, TurnRecord
+from .model import ABANDONED, COMPLETED, CORRUPT, NETWORKS, RUNNING, AbandonResult, TurnInfo, TurnRecord
 from .turn import Turn, make_turn
 
 log = logging.getLogger("cgturn")
@@ -139,7 +139,7 @@ class TurnManager:
     # --- turns ------------------------------------------------------------------------------------
 
     def begin_turn(self, task_id: str, turn_id: str | None = None, *, limits: Limits | None = None,
-                   admit_timeout: float | None = None) -> Turn:
+                   admit_timeout: float | None = None, seal: bool = False, network: str = "host") -> Turn:
         """Start a turn owned by the calling process.
 
         Args:
@@ -148,15 +148,21 @@ class TurnManager:
                 `oom_group=False`.
             admit_timeout: while the managed root's pressure guard reports pressure, wait up to this
                 many seconds for it to clear (None: start at once, as with no guard armed).
+            network: "host" (the host's network) or "none": one network namespace shared by every
+                process of the turn, with only loopback, up; spawns enter it before the target runs.
 
         Raises:
             Overloaded: the guard still reported pressure after `admit_timeout` s; nothing was created.
             ValueError: blank or invalid task/turn id.
             TurnExists: the turn id is taken (running, or completed with survivors).
             LimitsUnavailable: a limit cannot be enforced here; nothing was created.
+            IsolationUnavailable: the kernel refused a namespace, a helper binary is missing, or the
+                backend cannot isolate turns; nothing was created.
         """
         ids.validate(task_id, "task")
         turn_id = ids.new_turn_id() if turn_id is None else ids.validate(turn_id, "turn")
+        if network not in NETWORKS:
+            raise ValueError(f"network must be one of {', '.join(NETWORKS)}: {network!r}")
         if admit_timeout is not None:
             deadline = admission.deadline(admit_timeout)
             while (pause := admission.wait_time(self.backend, deadline)) is not None:
@@ -164,14 +170,15 @@ class TurnManager:
         me = os.getpid()
         record = TurnRecord(task_id=task_id, turn_id=turn_id, task_key=ids.encode(task_id),
                             turn_key=ids.encode(turn_id), state=RUNNING, owner_pid=me,
-                            owner_start=procfs.start_time(me), started_at=time.time())
+                            owner_start=procfs.start_time(me), started_at=time.time(),
+                            sealed=bool(seal), network=network)
         self.backend.create_turn(record, limits)
         turn = make_turn(self, record)
         self.events.emit("turn_begun", turn)
         return turn
 
     async def abegin_turn(self, task_id: str, turn_id: str | None = None, *, limits: Limits | None = None,
-                          admit_timeout: float | None = None) -> Turn:
+                          admit_timeout: float | None = None, seal: bool = False, network: str = "host") -> Turn:
         """`begin_turn` for asyncio: admission waits with asyncio.sleep and the turn is made in a worker
         thread, so the loop never blocks. Raises as `begin_turn`."""
         import asyncio
@@ -181,7 +188,7 @@ class TurnManager:
             deadline = admission.deadline(admit_timeout)
             while (pause := admission.wait_time(self.backend, deadline)) is not None:  # one getxattr
                 await asyncio.sleep(pause)
-        return await asyncio.to_thread(self.begin_turn, task_id, turn_id, limits=limits)
+        return await asyncio.to_thread(self.begin_turn, task_id, turn_id, limits=limits, seal=seal, network=network)
 
     def turn(self, task_id: str, turn_id: str) -> Turn:
         """The existing turn with these ids. Raises NoSuchTurn, or ValueError for invalid ids."""

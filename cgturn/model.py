@@ -16,6 +16,8 @@ STATES = (RUNNING, COMPLETED, ABANDONED)
 # unreadable, or disagrees with the directory it was read from. Such a turn is killed by any abandon
 # (the kernel's view decides what it owns, not bytes someone else could have written).
 CORRUPT = "corrupt"
+# A turn's network: the host's, or "none" (a namespace of its own with only loopback, up).
+NETWORKS = ("host", "none")
 
 
 @dataclass(slots=True)
@@ -57,6 +59,10 @@ class TurnRecord:
     # Processes spawned with a key (cgturn.keys): JSON {key: [pid, start time]}, written under the
     # task's lock; None when there are none.
     keys: str | None = None
+    # Isolation every process of the turn shares (begin_turn): sealed in its cgroups, and its network
+    # ("host", or "none": a namespace of its own with only loopback).
+    sealed: bool = False
+    network: str = "host"
     # Why the record could not be trusted (state CORRUPT); never stored.
     problem: str | None = None
 
@@ -149,13 +155,16 @@ class TurnInfo:
     # When the survivors' lease expires (wall clock), or None; live keyed spawns {key: pid}.
     expires_at: float | None = None
     keys: dict | None = None
+    sealed: bool = False
+    network: str = "host"
 
     def to_json(self) -> dict:
         """The documented `cgturn ps --json` object (without `age_seconds`, which ps adds)."""
         from .limits import Limits, Usage
 
         data = {name: getattr(self, name) for name in ("task", "turn", "state", "pids", "owner_pid", "reason",
-                                                      "cpu_seconds", "memory_bytes", "ports", "path", "frozen")}
+                                                      "cpu_seconds", "memory_bytes", "ports", "path", "frozen",
+                                                      "sealed", "network")}
         data["started_at"] = iso8601(self.started_at)
         data["limits"] = {k: v for k, v in (self.limits or Limits()).to_json().items() if k != "oom_group"}
         usage = self.usage or Usage(cpu_seconds=self.cpu_seconds)
@@ -163,9 +172,7 @@ class TurnInfo:
                     memory_peak_bytes=usage.memory_peak_bytes, cpu_throttled_seconds=usage.cpu_throttled_seconds)
         data["pressure"] = self.pressure if self.pressure is not None else {r: None for r in ("cpu", "memory", "io")}
         data["expires_at"] = None if self.expires_at is None else iso8601(self.expires_at)
-        # Fields of features this version does not have yet, with their "off" values.
         data["keys"] = dict(self.keys or {})
-        data.update(sealed=False, network="host")
         return data
 
 

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import grp
+import json
 import os
 import pwd
 import subprocess
 
 import pytest
 
-from conftest import cli, turn_dir
+from conftest import PY, cli, turn_dir, wait_until
 
 NOBODY = pwd.getpwnam("nobody")
 NOGROUP = grp.getgrgid(NOBODY.pw_gid)
@@ -102,3 +103,96 @@ def test_cli_run_as_another_user_and_an_unknown_one_exits_2_before_anything(cgro
     assert "unknown user" in bad.stderr
     assert not marker.exists()
     assert not os.path.exists(os.path.join(cgroup2_root, "never"))
+
+
+# --- network="none" ----------------------------------------------------------------------------------
+
+LISTEN = ("import socket, sys, time\n"
+          "s = socket.socket(); s.bind(('127.0.0.1', 3000)); s.listen()\n"
+          "print(open('/proc/self/net/dev').read().count(':'), flush=True); time.sleep(300)\n")
+CONNECT = ("import socket, sys\n"
+           "try:\n    socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=5); print('reached')\n"
+           "except OSError as err:\n    print(type(err).__name__)\n")
+
+
+def netns_of(pid) -> str:
+    return os.readlink(f"/proc/{pid}/ns/net")
+
+
+def test_two_turns_without_network_each_listen_on_3000_and_ps_shows_both(cgroup2_manager, cgroup2_root, state_dir):
+    mgr = cgroup2_manager
+    turns = [mgr.begin_turn("net", f"t{i}", network="none") for i in (1, 2)]
+    servers = [t.spawn([PY, "-c", LISTEN], stdout=subprocess.PIPE, text=True) for t in turns]
+    assert [s.stdout.readline().strip() for s in servers] == ["1", "1"]   # bound; one interface: lo
+    first, second = (netns_of(s.pid) for s in servers)
+    assert len({first, second, netns_of("self")}) == 3
+    client = turns[0].spawn([PY, "-c", CONNECT, "3000"], stdout=subprocess.PIPE, text=True)
+    assert client.communicate(timeout=10)[0].strip() == "reached"   # its own turn's server: same namespace
+    rows = {row["turn"]: row for row in json.loads(cli(cgroup2_root, str(state_dir), "ps", "--json").stdout)}
+    for name in ("t1", "t2"):
+        assert (rows[name]["network"], rows[name]["sealed"]) == ("none", False)
+        assert {"proto": "tcp", "address": "127.0.0.1", "port": 3000} in rows[name]["ports"]
+    for t, s in zip(turns, servers):
+        t.abandon("test", grace=0)
+        s.wait(timeout=10)
+        s.stdout.close()
+    assert mgr.backend._netns == {}
+    assert not any(os.readlink(f"/proc/self/fd/{fd}") in (first, second) for fd in os.listdir("/proc/self/fd")
+                   if os.path.exists(f"/proc/self/fd/{fd}"))
+    mgr.end_task("net")
+
+
+def test_a_turn_without_network_cannot_reach_the_host_loopback(cgroup2_manager):
+    import socket
+
+    mgr = cgroup2_manager
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = str(server.getsockname()[1])
+        host = mgr.begin_turn("reach", "host")
+        none = mgr.begin_turn("reach", "none", network="none")
+        got = [t.spawn([PY, "-c", CONNECT, port], stdout=subprocess.PIPE, text=True).communicate(timeout=10)[0]
+               for t in (host, none)]
+    assert [g.strip() for g in got] == ["reached", "ConnectionRefusedError"]
+    assert (host.record.network, none.record.network) == ("host", "none")
+    for t in (host, none):
+        t.complete()
+
+
+def test_another_manager_spawning_into_the_turn_joins_the_same_namespace(cgroup2_manager, cgroup2_root, state_dir):
+    from cgturn import TurnManager
+
+    turn = cgroup2_manager.begin_turn("shared-net", network="none")
+    first = turn.spawn(["sleep", "300"])
+    assert wait_until(lambda: netns_of(first.pid) != netns_of("self"))  # past nsenter: in the namespace
+    with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=str(state_dir)) as other:
+        second = other.turn("shared-net", turn.record.turn_id).spawn(["sleep", "300"])
+    assert netns_of(second.pid) == netns_of(first.pid) != netns_of("self")
+    turn.abandon("test", grace=0)
+    for p in (first, second):
+        p.wait(timeout=10)
+
+
+def test_network_none_is_refused_by_the_registry_and_without_nsenter_before_anything(manager, monkeypatch):
+    from cgturn import IsolationUnavailable
+    from cgturn.backends import isolation
+
+    if manager.backend_name == "cgroup2":  # a missing helper: the one branch this host cannot produce
+        isolation.helper.cache_clear()
+        monkeypatch.setattr(isolation.shutil, "which", lambda *a, **k: None)
+    with pytest.raises(IsolationUnavailable, match="nsenter|registry"):
+        manager.begin_turn("refused", network="none")
+    isolation.helper.cache_clear()
+    assert manager.turns() == []
+    with pytest.raises(ValueError, match="network must be"):
+        manager.begin_turn("refused", network="bridge")
+
+
+def test_cli_run_network_none_and_its_refusal_on_the_registry(cgroup2_root, state_dir):
+    out = cli(cgroup2_root, str(state_dir), "run", "--network", "none", "--", "cat", "/proc/net/dev")
+    assert out.returncode == 0, out.stderr
+    assert [line.split(":")[0].strip() for line in out.stdout.splitlines()[2:]] == ["lo"]
+    refused = cli(None, str(state_dir), "run", "--network", "none", "--", "true", backend="registry")
+    assert refused.returncode == 125
+    assert "cannot" in refused.stderr

@@ -26,7 +26,7 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from ..errors import AccessDenied, KernelError, LimitsUnavailable, NoSuchTurn, TurnExists, UnsafeOperation
+from ..errors import AccessDenied, IsolationUnavailable, KernelError, LimitsUnavailable, NoSuchTurn, TurnExists, UnsafeOperation
 from ..kernel import procfs
 from ..kernel.cgroupfs import Cgroup, KillUnsupported, child_entries
 from ..limits import Limits, Usage
@@ -73,6 +73,9 @@ class Cgroup2Backend(Backend):
         self._home_v1: dict[str, str] = {}  # and in the v1 hierarchies
         self._layout: Layout | None = None
         self._layout_recorded = False
+        # fds holding the network namespaces of turns begun here with network="none" (kernel/netns.py)
+        self._netns: dict[tuple[str, str], int] = {}
+        self._netns_lock = threading.Lock()
 
     @property
     def gates(self) -> "SpawnGates":
@@ -127,6 +130,34 @@ class Cgroup2Backend(Backend):
     def create_turn(self, record: TurnRecord, limits: Limits | None = None) -> None:
         limits = limits or Limits()
         self.layout.check(limits)  # LimitsUnavailable before anything is made
+        netns = self._isolation_for(record)  # IsolationUnavailable, before anything is made
+        try:
+            self._create_turn(record, limits)
+        except BaseException:
+            if netns is not None:
+                os.close(netns)
+            raise
+        if netns is not None:
+            with self._netns_lock:
+                self._netns[(record.task_key, record.turn_key)] = netns
+
+    def _isolation_for(self, record: TurnRecord) -> int | None:
+        """Check that the turn's isolation can be given here, and make its network namespace (an fd
+        holding it) when it asks for one; nothing else is made."""
+        self._release_netns()
+        if record.sealed:
+            raise IsolationUnavailable("sealed turns are not available in this version")
+        if record.network == "host":
+            return None
+        isolation.helper(isolation.NSENTER)
+        from ..kernel import netns
+
+        try:
+            return netns.new_loopback_only()
+        except OSError as err:
+            raise IsolationUnavailable(f"the kernel refused a network namespace: {err}") from err
+
+    def _create_turn(self, record: TurnRecord, limits: Limits) -> None:
         self.ensure_root()
         task = self.root.child(record.task_key)
         cg = task.child(record.turn_key)
@@ -295,7 +326,9 @@ class Cgroup2Backend(Backend):
             if rec is None or (when is not None and not when(rec)) or not rec.advance(allowed_from, to_state, updates):
                 return False, rec
             self.meta.save(cg, rec)
-            return True, rec
+        if to_state != RUNNING and (task_key, turn_key) in self._netns:
+            self._release_netns()
+        return True, rec
 
     @contextlib.contextmanager
     def task_lock(self, task_key):
@@ -312,7 +345,13 @@ class Cgroup2Backend(Backend):
         import subprocess
 
         argv, program, kwargs, identity = prepare_spawn(argv, popen_kwargs)
-        steps = isolation.drop_privileges(identity)  # run after "go": inside the turn, as the caller
+        # Run by the shim after "go", in this order: inside the turn, as the caller, before the target.
+        steps = isolation.drop_privileges(identity)
+        netns = None
+        if record.network != "host":
+            netns = self._spawn_netns(record)
+            steps = isolation.enter_network(netns) + steps
+            kwargs["pass_fds"] = (*kwargs.get("pass_fds", ()), netns)
         gate = self.gates.open()
         shim = ["/bin/sh", "-c", SPAWN_SHIM, gate.path, record.task_key, record.turn_key, self.scope]
         if gate.pass_fds:
@@ -322,6 +361,9 @@ class Cgroup2Backend(Backend):
         except BaseException:
             self.gates.discard(gate)
             raise
+        finally:
+            if netns is not None:
+                os.close(netns)  # the shim holds its own copy
         cg = self._cg(record)
         try:
             # Our unreaped child, blocked on its gate: its pid cannot have been recycled.
@@ -343,6 +385,38 @@ class Cgroup2Backend(Backend):
         self.gates.release(gate, proc.pid)
         return proc
 
+    def _spawn_netns(self, record: TurnRecord) -> int:
+        """A new fd of the turn's network namespace: a copy of the one held here since begin_turn, or
+        else that of a live member (another process spawning into the turn); the caller closes it.
+        IsolationUnavailable when neither exists."""
+        with self._netns_lock:  # a copy: the held fd may be closed by a concurrent end of the turn
+            held = self._netns.get((record.task_key, record.turn_key))
+            if held is not None:
+                return os.dup(held)  # O_CLOEXEC unset: the Popen below passes it on (pass_fds)
+        from ..kernel import netns
+
+        cg = self._cg(record)
+        for pid in cg.procs_recursive():
+            try:
+                fd = netns.open_of(pid)
+            except OSError:
+                continue
+            # Opened, then checked: a pid recycled meanwhile is no longer in the turn.
+            if self._under(cg, procfs.cgroup_of(pid) or "") and not netns.same_as_ours(fd):
+                return fd
+            os.close(fd)
+        raise IsolationUnavailable(f"turn {record.turn_id!r} of task {record.task_id!r} has no network "
+                                   "namespace left to join (its owner's is closed and no process of it lives)")
+
+    def _release_netns(self) -> None:
+        """Close the namespace fds of turns no longer running (their processes keep the namespace
+        alive while they live; a turn that is gone leaves nothing behind)."""
+        with self._netns_lock:
+            for key in list(self._netns):
+                rec = self.load(*key)
+                if rec is None or rec.state != RUNNING:
+                    os.close(self._netns.pop(key))
+
     def _abort_spawn(self, gate, proc: "subprocess.Popen") -> None:
         """Close the gate without "go" (the shim reads EOF and exits 125 without running the target)."""
         self.gates.discard(gate)
@@ -352,6 +426,10 @@ class Cgroup2Backend(Backend):
     def close(self) -> None:
         if self._gates is not None:  # never made by a read-only user: nothing to close
             self._gates.close()
+        with self._netns_lock:
+            for fd in self._netns.values():
+                os.close(fd)
+            self._netns.clear()
 
     def adopt(self, record, pid) -> None:
         try:

@@ -17,8 +17,10 @@ import shutil
 
 from ..errors import IsolationUnavailable
 from ..identity import Identity
+from ..kernel import procfd
 
 SETPRIV = "setpriv"
+NSENTER = "nsenter"
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,3 +40,9 @@ def drop_privileges(identity: Identity | None) -> list[str]:
     if identity is None:
         return []
     return [helper(SETPRIV), *identity.setpriv_args(), "--"]
+
+
+def enter_network(fd: int) -> list[str]:
+    """The helper command that enters the network namespace `fd` (inherited by the shim) and execs
+    the rest. Raises IsolationUnavailable when nsenter is not installed."""
+    return [helper(NSENTER), f"--net={procfd.inherited_fd_path(fd)}", "--"]

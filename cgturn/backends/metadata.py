@@ -34,7 +34,7 @@ import time
 
 from .. import ids
 from ..kernel.cgroupfs import Cgroup, get_xattr
-from ..model import CORRUPT, STATES, TurnRecord, corrupt_record
+from ..model import CORRUPT, NETWORKS, STATES, TurnRecord, corrupt_record
 
 log = logging.getLogger("cgturn")
 
@@ -252,6 +252,8 @@ def _from_json(data: dict) -> TurnRecord | None:
             or not isinstance(rec.frozen_seconds, (int, float)) \
             or not (rec.expires_at is None or isinstance(rec.expires_at, (int, float))) \
             or not (rec.keys is None or isinstance(rec.keys, str)):
+        return None
+    if not isinstance(rec.sealed, bool) or rec.network not in NETWORKS:
         return None
     if not isinstance(rec.v1_dirs, bool) or type(rec.audited_oom_kills) is not int \
             or type(rec.audited_pids_max_hits) is not int:

@@ -37,7 +37,7 @@ import subprocess
 import time
 from typing import Callable, Iterable
 
-from ..errors import AccessDenied, NoSuchProcess, NoSuchTurn, TurnExists
+from ..errors import AccessDenied, IsolationUnavailable, NoSuchProcess, NoSuchTurn, TurnExists
 from ..kernel import procfs
 from ..model import COMPLETED, RUNNING, TurnRecord
 from . import isolation
@@ -141,6 +141,8 @@ class RegistryBackend(Backend):
     def create_turn(self, record: TurnRecord, limits=None) -> None:
         if limits is not None and not limits.is_empty():
             raise self._no_limits()
+        if record.sealed or record.network != "host":  # both need the turn's cgroup and namespaces
+            raise IsolationUnavailable("the registry backend cannot seal a turn or give it a network of its own")
         self._ensure_reaper()
         with self.db.write() as conn:
             old = self.db.load(conn, record.task_key, record.turn_key)

@@ -5,7 +5,8 @@ Exit status: CMD's own code; 128+N if it died of signal N; 127 not found; 126 no
 the turn completed (the turn is then abandoned, even if CMD exited first from the same Ctrl-C); 125
 when `cgturn run` itself cannot start CMD: no sentinel could be started (CMD would not be guarded
 against our death; CGTURN_SENTINEL=0 runs it without one), a limit cannot be enforced here
-(`LimitsUnavailable`), the turn could not be made or joined, or
+(`LimitsUnavailable`), isolation was refused (`IsolationUnavailable`: a namespace the kernel
+refuses, a missing util-linux helper), the turn could not be made or joined, or
 `--admit-timeout` ran out under pressure (`Overloaded`). Never 1: that is CMD's own.
 
 When the kernel enforced a limit on the turn (an OOM kill, a refused fork) one stderr line says so
@@ -49,6 +50,8 @@ def register(sub) -> None:
                    help="when CMD exits, what it left running may live S more seconds (a lease)")
     p.add_argument("--key", type=_key, metavar="K",
                    help="one instance per key in the task: exit 125 while a process spawned with K runs")
+    p.add_argument("--network", choices=("host", "none"), default="host",
+                   help="none: a network namespace of the turn's own, only loopback (default host)")
     p.add_argument("--user", help="run CMD as this user (name or uid), after it joined its turn")
     p.add_argument("--group", help="and with this group (default: the user's primary group)")
     p.add_argument("--extra-groups", type=lambda text: [g for g in text.split(",") if g], metavar="G,...",
@@ -76,7 +79,8 @@ def run(args) -> int:
         # promise cannot be kept: refuse to start CMD rather than run it unguarded.
         try:
             attach_sentinel(manager)
-            turn = manager.begin_turn(args.task, args.turn, limits=limits, admit_timeout=args.admit_timeout)
+            turn = manager.begin_turn(args.task, args.turn, limits=limits, admit_timeout=args.admit_timeout,
+                                      network=args.network)
         except TurnExists:
             raise  # bad input (exit 2), not a failure to start
         except CgturnError as err:  # SentinelUnavailable, LimitsUnavailable, ...: CMD never started

@@ -2,7 +2,8 @@
 
 - getxattr(2) with a caller-sized buffer (os.getxattr asks twice for any value over 128 bytes);
 - statfs(2) for a filesystem's magic number (os.statvfs has no f_type);
-- prctl(2) PR_SET/GET_CHILD_SUBREAPER (Linux 3.4+).
+- prctl(2) PR_SET/GET_CHILD_SUBREAPER (Linux 3.4+);
+- unshare(2) and setns(2) (os has them only from Python 3.12).
 
 Every wrapper raises OSError with errno and path, as the os module would.
 """
@@ -83,3 +84,18 @@ def is_child_subreaper() -> bool:
 def set_child_subreaper(on: bool) -> None:
     """Make this process a child subreaper, or stop being one (PR_SET_CHILD_SUBREAPER)."""
     prctl(PR_SET_CHILD_SUBREAPER, 1 if on else 0)
+
+
+CLONE_NEWNET = 0x40000000  # sched.h
+
+
+def unshare(flags: int) -> None:
+    """unshare(2) for the calling thread (a network namespace is per thread); raises OSError."""
+    if _libc().unshare(flags) != 0:
+        _raise()
+
+
+def setns(fd: int, nstype: int) -> None:
+    """setns(2) of the calling thread into the namespace `fd` refers to; raises OSError."""
+    if _libc().setns(fd, nstype) != 0:
+        _raise()

@@ -11,6 +11,7 @@ Knows nothing of tasks or turns: callers hand in cgroup directories or pids.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 
 from . import procfs, sockdiag
@@ -38,6 +39,32 @@ def listening_sockets() -> list[ListeningSocket]:
     if sockets and all(s.cgroup_id is None for s in sockets):
         raise DiagUnavailable("sock_diag gave no cgroup ids (kernel before 5.7?)")
     return sockets
+
+
+def listening_sockets_of(pids: list[int], seen: set) -> list[ListeningSocket]:
+    """Every listening socket of the network namespace of the first of `pids` that can be entered,
+    unless that namespace's (dev, inode) is in `seen` (then []); the namespace is added to `seen`.
+
+    Raises DiagUnavailable when setns is refused (it needs CAP_SYS_ADMIN) or sock_diag refuses.
+    """
+    from . import netns
+
+    for pid in pids:
+        try:
+            fd = netns.open_of(pid)
+        except OSError:
+            continue  # gone, or not ours to look at
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) in seen or netns.same_as_ours(fd):
+                return []
+            seen.add((st.st_dev, st.st_ino))
+            return netns.run_inside(fd, listening_sockets)
+        except OSError as err:
+            raise DiagUnavailable(f"cannot enter the network namespace of process {pid}: {err}") from err
+        finally:
+            os.close(fd)
+    return []
 
 
 def cgroup_ids(path: str) -> set[int]:
