@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from conftest import PY, cli, turn_dir, wait_until
+from cgturn.kernel.cgroupfs import Cgroup
 
 NOBODY = pwd.getpwnam("nobody")
 NOGROUP = grp.getgrgid(NOBODY.pw_gid)
@@ -196,3 +197,109 @@ def test_cli_run_network_none_and_its_refusal_on_the_registry(cgroup2_root, stat
     refused = cli(None, str(state_dir), "run", "--network", "none", "--", "true", backend="registry")
     assert refused.returncode == 125
     assert "cannot" in refused.stderr
+
+
+# --- seal=True -------------------------------------------------------------------------------------
+
+# Every route out of the turn a root process has, each reported as "ok" (it worked) or the errno name.
+ESCAPE = r'''
+import ctypes, errno, json, os, sys
+mount_root, sibling, own, outsider, v1, probe = sys.argv[1:7]
+libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNS, CLONE_NEWCGROUP, MS_REMOUNT, MS_BIND = 0x20000, 0x02000000, 32, 4096
+out = {}
+def attempt(name, fn):
+    try:
+        fn()
+        out[name] = "ok"
+    except OSError as err:
+        out[name] = errno.errorcode[err.errno]
+def write_pid(path):
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+def check(rc):
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+def via_setns(kind, flag):
+    fd = os.open(f"/proc/{outsider}/ns/{kind}", os.O_RDONLY)
+    try:
+        check(libc.setns(fd, flag))
+    finally:
+        os.close(fd)
+attempt("mount root", lambda: write_pid(os.path.join(mount_root, "cgroup.procs")))
+attempt("sibling", lambda: write_pid(os.path.join(sibling, "cgroup.procs")))
+attempt("v1 root", lambda: write_pid(os.path.join(v1, "cgroup.procs")))
+attempt("own sub-cgroup", lambda: os.mkdir(os.path.join(own, "sub")))
+attempt("fresh cgroup2", lambda: check(libc.mount(b"none", probe.encode(), b"cgroup2", 0, None)))
+attempt("remount", lambda: check(libc.mount(None, mount_root.encode(), None, MS_REMOUNT | MS_BIND, None)))
+attempt("unshare", lambda: check(libc.unshare(CLONE_NEWNS)))
+attempt("setns mnt", lambda: via_setns("mnt", CLONE_NEWNS))
+attempt("setns cgroup", lambda: via_setns("cgroup", CLONE_NEWCGROUP))
+attempt("outsider's root", lambda: write_pid(f"/proc/{outsider}/root{mount_root}/cgroup.procs"))
+out["uid"] = os.getuid()
+out["cgroup"] = open("/proc/self/cgroup").read().splitlines()[-1]
+print(json.dumps(out), flush=True)
+'''
+
+
+def cgroup_mounts_here() -> list[str]:
+    """This (the host's) mount namespace's mounts at and below /sys/fs/cgroup, as mountinfo lists them."""
+    return [line for line in open("/proc/self/mountinfo") if " /sys/fs/cgroup" in line]
+
+
+def test_a_root_process_in_a_sealed_turn_tries_every_way_out_and_stays(cgroup2_manager, bystanders, tmp_path):
+    mgr = cgroup2_manager
+    before = cgroup_mounts_here()
+    (tmp_path / "probe").mkdir()
+    turn = mgr.begin_turn("sealed", seal=True)
+    sibling = os.path.join(mgr.backend.root.path, "sibling")   # ours: made in this test's managed root
+    os.mkdir(sibling)
+    outsider = bystanders()                                     # a root process outside the turn
+    own = turn_dir(mgr, turn)
+    v1 = "/sys/fs/cgroup/pids" if os.path.isdir("/sys/fs/cgroup/pids") else mgr.backend.mount
+    proc = turn.spawn([PY, "-c", ESCAPE, mgr.backend.mount, sibling, own, str(outsider.pid), v1,
+                       str(tmp_path / "probe")],
+                      stdout=subprocess.PIPE, text=True)
+    report = json.loads(proc.communicate(timeout=30)[0])
+    assert report.pop("uid") == 0
+    assert report.pop("cgroup") == "0::/"                       # a cgroup namespace rooted at its turn
+    assert report == {"mount root": "EROFS", "sibling": "EROFS", "v1 root": "EROFS", "own sub-cgroup": "EROFS",
+                      "fresh cgroup2": "EPERM", "remount": "EPERM", "unshare": "EPERM",
+                      "setns mnt": "EACCES", "setns cgroup": "EACCES", "outsider's root": "EACCES"}
+    assert Cgroup(sibling).procs() == []
+    assert not os.path.exists(os.path.join(own, "sub"))
+    assert cgroup_mounts_here() == before                         # the host's mounts never changed
+    assert " ro," not in "".join(before) and os.listdir(tmp_path / "probe") == []
+    stays = turn.spawn(["sleep", "300"])
+    assert stays.pid in turn.pids()
+    result = turn.abandon("test", grace=0)
+    assert stays.pid in result.killed
+    stays.wait(timeout=10)
+    os.rmdir(sibling)
+
+
+def test_seal_network_and_user_combine(cgroup2_manager):
+    turn = cgroup2_manager.begin_turn("all", seal=True, network="none")
+    out = turn.spawn(["sh", "-c", "id -u; cat /proc/net/dev | tail -n +3 | cut -d: -f1; "
+                      "echo $$ > /sys/fs/cgroup/unified/cgroup.procs 2>/dev/null || echo refused"],
+                     stdout=subprocess.PIPE, text=True, user="nobody").communicate(timeout=10)[0]
+    assert out.split() == [str(NOBODY.pw_uid), "lo", "refused"]
+    info = {i.turn: i for i in cgroup2_manager.turns()}[turn.record.turn_id]
+    assert (info.to_json()["sealed"], info.to_json()["network"]) == (True, "none")
+    turn.complete()
+
+
+def test_seal_is_refused_by_the_registry_and_without_unshare(manager, monkeypatch):
+    from cgturn import IsolationUnavailable
+    from cgturn.backends import isolation
+
+    if manager.backend_name == "cgroup2":
+        isolation.helper.cache_clear()
+        isolation.check_seal.cache_clear()
+        monkeypatch.setattr(isolation.shutil, "which", lambda *a, **k: None)
+    with pytest.raises(IsolationUnavailable, match="unshare|registry"):
+        manager.begin_turn("refused", seal=True)
+    isolation.helper.cache_clear()
+    isolation.check_seal.cache_clear()
+    assert manager.turns() == []

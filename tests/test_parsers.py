@@ -34,6 +34,20 @@ def test_parse_proc_cgroup(text, expected):
     assert parsers.parse_proc_cgroup(text) == expected
 
 
+def test_parse_mountinfo_cgroup_points_lists_every_cgroup_filesystem():
+    text = (
+        "47 46 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+        "48 47 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu\n"
+        "50 47 0:31 / /sys/fs/cgroup/systemd rw - cgroup cgroup rw,xattr,name=systemd\n"
+        "51 47 0:32 / /sys/fs/cgroup/unified rw shared:9 - cgroup2 cgroup2 rw\n"
+        "52 23 0:32 /sub /mnt/with\\040space rw - cgroup2 cgroup2 rw\n"
+        "53 23 0:5 / /proc rw - proc proc rw\n"
+        "malformed line\n"
+    )
+    assert parsers.parse_mountinfo_cgroup_points(text) == [
+        "/sys/fs/cgroup/cpu", "/sys/fs/cgroup/systemd", "/sys/fs/cgroup/unified", "/mnt/with space"]
+
+
 def test_parse_mountinfo_cgroup2():
     text = (
         "24 1 0:22 / /sys/fs/cgroup rw,nosuid - tmpfs tmpfs rw\n"

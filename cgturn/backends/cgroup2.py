@@ -30,7 +30,7 @@ from ..errors import AccessDenied, IsolationUnavailable, KernelError, LimitsUnav
 from ..kernel import procfs
 from ..kernel.cgroupfs import Cgroup, KillUnsupported, child_entries
 from ..limits import Limits, Usage
-from ..kernel.discovery import own_cgroup_dir
+from ..kernel.discovery import cgroup_mount_points, own_cgroup_dir
 from ..model import COMPLETED, CORRUPT, RUNNING, TurnRecord, TurnView
 from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag
 from . import cgroup2_views, isolation
@@ -146,7 +146,7 @@ class Cgroup2Backend(Backend):
         holding it) when it asks for one; nothing else is made."""
         self._release_netns()
         if record.sealed:
-            raise IsolationUnavailable("sealed turns are not available in this version")
+            isolation.check_seal()
         if record.network == "host":
             return None
         isolation.helper(isolation.NSENTER)
@@ -346,7 +346,9 @@ class Cgroup2Backend(Backend):
 
         argv, program, kwargs, identity = prepare_spawn(argv, popen_kwargs)
         # Run by the shim after "go", in this order: inside the turn, as the caller, before the target.
-        steps = isolation.drop_privileges(identity)
+        steps = isolation.drop_privileges(identity, record.sealed)
+        if record.sealed:  # read per spawn: the host may have mounted a hierarchy since
+            steps = isolation.seal(cgroup_mount_points()) + steps
         netns = None
         if record.network != "host":
             netns = self._spawn_netns(record)

@@ -21,6 +21,8 @@ from ..kernel import procfd
 
 SETPRIV = "setpriv"
 NSENTER = "nsenter"
+UNSHARE = "unshare"
+MOUNT = "mount"
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,14 +34,49 @@ def helper(name: str) -> str:
     return found
 
 
-def drop_privileges(identity: Identity | None) -> list[str]:
-    """The helper command (without the target) that becomes `identity`; [] for none.
+# Capabilities a sealed turn's processes lose from their bounding (and inheritable) set before the
+# target runs (capabilities(7)): CAP_SYS_ADMIN for mount(2), setns(2) and unshare(2); CAP_SYS_PTRACE
+# for /proc/PID/root of processes outside (ptrace_may_access: without it, only processes whose
+# capabilities are a subset of the caller's), whose paths reach the host's read-write cgroup mounts;
+# CAP_SYS_MODULE, as a kernel module can do anything.
+SEAL_DROPPED = ("sys_admin", "sys_ptrace", "sys_module")
+# Run by unshare(1) in the turn's new mount and cgroup namespaces: $0 is mount(8), $1 the number of
+# cgroup mount points that follow, then the rest of the chain.
+SEAL_SCRIPT = ('n=$1; shift; while [ "$n" -gt 0 ]; do "$0" -o remount,bind,ro "$1" || exit 125; shift; '
+               'n=$((n-1)); done; exec "$@"')
 
-    Raises IsolationUnavailable when setpriv is not installed.
-    """
-    if identity is None:
-        return []
-    return [helper(SETPRIV), *identity.setpriv_args(), "--"]
+
+def drop_privileges(identity: Identity | None, sealed: bool = False) -> list[str]:
+    """The helper command (without the target) that becomes `identity` and, for a sealed turn, drops
+    SEAL_DROPPED; [] when there is nothing to drop. Raises IsolationUnavailable without setpriv."""
+    args = list(identity.setpriv_args()) if identity is not None else []
+    if sealed:
+        caps = ",".join(f"-{cap}" for cap in SEAL_DROPPED)
+        args += [f"--bounding-set={caps}", f"--inh-caps={caps}"]
+    return [helper(SETPRIV), *args, "--"] if args else []
+
+
+def seal(cgroup_mounts: list[str]) -> list[str]:
+    """The helper command that seals the process in the cgroups it is in: new mount and cgroup
+    namespaces (the cgroup namespace rooted at its turn), `/` made private first so that nothing
+    propagates back to the host, then every cgroup mount re-bound read-only. Raises
+    IsolationUnavailable without unshare or mount."""
+    return [helper(UNSHARE), "--mount", "--cgroup", "--propagation", "private", "--",
+            "/bin/sh", "-c", SEAL_SCRIPT, helper(MOUNT), str(len(cgroup_mounts)), *cgroup_mounts]
+
+
+@functools.lru_cache(maxsize=1)
+def check_seal() -> None:
+    """Raise IsolationUnavailable unless the helpers exist and the kernel gives this process new mount
+    and cgroup namespaces (tried once per process: an unshare(1) that exits at once)."""
+    import subprocess
+
+    for name in (UNSHARE, MOUNT, SETPRIV):
+        helper(name)
+    probe = subprocess.run([helper(UNSHARE), "--mount", "--cgroup", "--propagation", "private", "true"],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if probe.returncode != 0:
+        raise IsolationUnavailable(f"the kernel refused mount and cgroup namespaces: {probe.stderr.strip()}")
 
 
 def enter_network(fd: int) -> list[str]:

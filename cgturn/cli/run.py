@@ -50,6 +50,9 @@ def register(sub) -> None:
                    help="when CMD exits, what it left running may live S more seconds (a lease)")
     p.add_argument("--key", type=_key, metavar="K",
                    help="one instance per key in the task: exit 125 while a process spawned with K runs")
+    p.add_argument("--seal", action="store_true",
+                   help="no way out of the turn, for root too (private read-only cgroup mounts, a cgroup "
+                        "namespace, no CAP_SYS_ADMIN)")
     p.add_argument("--network", choices=("host", "none"), default="host",
                    help="none: a network namespace of the turn's own, only loopback (default host)")
     p.add_argument("--user", help="run CMD as this user (name or uid), after it joined its turn")
@@ -80,7 +83,7 @@ def run(args) -> int:
         try:
             attach_sentinel(manager)
             turn = manager.begin_turn(args.task, args.turn, limits=limits, admit_timeout=args.admit_timeout,
-                                      network=args.network)
+                                      seal=args.seal, network=args.network)
         except TurnExists:
             raise  # bad input (exit 2), not a failure to start
         except CgturnError as err:  # SentinelUnavailable, LimitsUnavailable, ...: CMD never started

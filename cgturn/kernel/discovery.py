@@ -38,6 +38,13 @@ class HostInfo:
         return self.cgroup2_mount is not None and self.managed_root is not None and self.writable
 
 
+def cgroup_mount_points() -> list[str]:
+    """Where this process sees a cgroup filesystem mounted (cgroup2 and v1 hierarchies), deduplicated
+    in mount order. Raises CgturnError when /proc/self/mountinfo cannot be read."""
+    text = procfs.DEFAULT.read("self", "mountinfo").decode("utf-8", "replace")
+    return list(dict.fromkeys(parsers.parse_mountinfo_cgroup_points(text)))
+
+
 def find_cgroup2_mount(env: dict[str, str] | None = None) -> tuple[str | None, str | None]:
     """The cgroup2 mount point and the fs root it shows; (None, None) when there is none.
 

@@ -78,6 +78,18 @@ def parse_mountinfo_cgroup2(text: str) -> list[tuple[str, str]]:
     return mounts
 
 
+def parse_mountinfo_cgroup_points(text: str) -> list[str]:
+    """/proc/self/mountinfo: the mount point of every cgroup filesystem (cgroup2 and every v1
+    hierarchy, named ones and sub-directory mounts included), in mount order."""
+    points = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if sep and right.split(" ", 1)[0] in ("cgroup", "cgroup2") and len(fields) >= 5:
+            points.append(_unescape(fields[4]))
+    return points
+
+
 def _unescape(path: str) -> str:
     out, i = [], 0
     while i < len(path):
