@@ -303,3 +303,15 @@ def test_seal_is_refused_by_the_registry_and_without_unshare(manager, monkeypatc
     isolation.helper.cache_clear()
     isolation.check_seal.cache_clear()
     assert manager.turns() == []
+
+
+def test_cli_run_seal_and_its_refusal_on_the_registry(cgroup2_root, state_dir):
+    from cgturn.kernel.discovery import find_cgroup2_mount
+
+    mount = find_cgroup2_mount()[0]
+    out = cli(cgroup2_root, str(state_dir), "run", "--seal", "--", "sh", "-c",
+              f'cat /proc/self/cgroup | tail -n 1; echo $$ > {mount}/cgroup.procs')
+    assert out.returncode == 2 and out.stdout.strip() == "0::/", (out.stdout, out.stderr)  # sh: cannot create
+    assert "Read-only file system" in out.stderr
+    refused = cli(None, str(state_dir), "run", "--seal", "--", "true", backend="registry")
+    assert refused.returncode == 125 and "cannot seal" in refused.stderr
