@@ -169,7 +169,8 @@ def test_another_manager_spawning_into_the_turn_joins_the_same_namespace(cgroup2
     assert wait_until(lambda: netns_of(first.pid) != netns_of("self"))  # past nsenter: in the namespace
     with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=str(state_dir)) as other:
         second = other.turn("shared-net", turn.record.turn_id).spawn(["sleep", "300"])
-    assert netns_of(second.pid) == netns_of(first.pid) != netns_of("self")
+    # spawn returns before the target runs: wait until the shim has passed nsenter
+    assert wait_until(lambda: netns_of(second.pid) == netns_of(first.pid) != netns_of("self"))
     turn.abandon("test", grace=0)
     for p in (first, second):
         p.wait(timeout=10)
