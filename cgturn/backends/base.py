@@ -285,6 +285,17 @@ def prepare_spawn(argv, popen_kwargs: dict) -> tuple[list[str], str, dict]:
 
     Returns (argv as a list of str, the program's resolved path, Popen kwargs).
     """
+    argv, kwargs = normalize_spawn(argv, popen_kwargs)
+    env = kwargs.get("env")
+    path = os.environ.get("PATH", os.defpath) if env is None else env.get("PATH", env.get(b"PATH", os.defpath))
+    program = resolve_program(argv[0], os.fsdecode(path), kwargs.get("cwd"))
+    return argv, program, kwargs
+
+
+def normalize_spawn(argv, popen_kwargs: dict) -> tuple[list[str], dict]:
+    """A spawn request as (argv as a list of str, Popen kwargs): refused options raise ValueError,
+    shell=True becomes /bin/sh -c. The program is not resolved (a native spawn resolves it in the
+    child, along PATH, as Popen does)."""
     kwargs = dict(popen_kwargs)
     for name, instead in _REFUSED_KWARGS.items():
         if kwargs.get(name) is not None:
@@ -299,10 +310,7 @@ def prepare_spawn(argv, popen_kwargs: dict) -> tuple[list[str], str, dict]:
         argv = [os.fsdecode(a) for a in argv]
     if not argv:
         raise ValueError("Turn.spawn needs a non-empty argv")
-    env = kwargs.get("env")
-    path = os.environ.get("PATH", os.defpath) if env is None else env.get("PATH", env.get(b"PATH", os.defpath))
-    program = resolve_program(argv[0], os.fsdecode(path), kwargs.get("cwd"))
-    return argv, program, kwargs
+    return argv, kwargs
 
 
 def with_environment(kwargs: dict, additions: dict[str, str]) -> dict:
