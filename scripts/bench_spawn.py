@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from bench import destroy  # noqa: E402
+from bench import churn, destroy  # noqa: E402
 
 from cgturn import TurnManager, discover_host  # noqa: E402
 from cgturn.backends import spawn_paths  # noqa: E402
@@ -62,16 +62,9 @@ def spawn_rows(mgr: TurnManager, count: int) -> dict[str, tuple[float, float]]:
     return {k: (statistics.median(calls[k]) * 1e3, statistics.median(cycles[k]) * 1e3) for k in methods}
 
 
-def churn(mgr: TurnManager, path: str, seconds: float) -> float:
+def churn_on(mgr: TurnManager, path: str, seconds: float) -> float:
     forced(path)()
-    done = 0
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        turn = mgr.begin_turn("bench-churn")
-        turn.spawn(["/bin/true"]).wait()
-        turn.complete()
-        done += 1
-    return done / (time.perf_counter() - t0)
+    return churn(mgr, seconds)
 
 
 def main() -> int:
@@ -94,7 +87,7 @@ def main() -> int:
                 rows = spawn_rows(mgr, args.spawns)
                 rates = {}
                 for path in (spawn_paths.CLONE3, spawn_paths.SHIM, spawn_paths.CLONE3, spawn_paths.SHIM):
-                    rates.setdefault(path, []).append(churn(mgr, path, args.seconds / 2))
+                    rates.setdefault(path, []).append(churn_on(mgr, path, args.seconds / 2))
         except KeyboardInterrupt:
             print("interrupted: cleaning up", file=sys.stderr)
             return 130
