@@ -75,6 +75,8 @@ def choose_backend(host: HostInfo, wanted: str, state_dir: str) -> Backend:
 def doctor_report(root: str | None = None, backend: str | None = None, state_dir: str | None = None) -> dict:
     """What `cgturn doctor --json` prints: the host, the backend that would be used, and why.
     `state_dir` is where the registry fallback keeps the pressure guard's state."""
+    from .backends import spawn_paths
+
     host = discover_host(root)
     wanted = wanted_backend(backend)
     problems = list(host.problems)
@@ -104,7 +106,8 @@ def doctor_report(root: str | None = None, backend: str | None = None, state_dir
         "problems": problems,
         "usable": usable,
         "limits": limits,
-        "spawn_paths": ["shim"],  # the gated /bin/sh shim (see docs/design.md#how-spawn-works)
+        # preferred first (docs/design.md#how-spawn-works); the registry spawns with plain Popen
+        "spawn_paths": spawn_paths.available() if name == "cgroup2" else ["shim"],
         "guard": guard,
     }
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from . import leases, reasons
 from .errors import NoSuchTurn
-from .model import ABANDONED, RUNNING, AbandonResult, TurnRecord
+from .model import ABANDONED, COMPLETED, RUNNING, AbandonResult, TurnRecord
 
 if TYPE_CHECKING:
     from .limits import Limits, Usage
@@ -50,9 +50,13 @@ class Turn:
     def record(self) -> TurnRecord:
         """The stored record, read fresh (another process may have changed the state)."""
         rec = self._manager.backend.load(*self.key)
-        if rec is not None:
+        if rec is None:
+            return _gone(self._record)
+        # Threads share this object (a watchdog reads while the worker completes): a read that
+        # started before the turn ended must not replace the ended state it raced with.
+        if not (rec.state == RUNNING and self._record.state in (COMPLETED, ABANDONED)):
             self._record = rec
-        return self._record if rec is not None else _gone(self._record)
+        return rec
 
     @property
     def state(self) -> str:

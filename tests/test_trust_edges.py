@@ -187,16 +187,24 @@ def test_two_managers_in_one_process_both_spawn(cgroup2_root, state_dir, tmp_pat
         destroy_cgroup_tree(second_root)
 
 
-def test_the_target_gets_the_fds_popen_gives_plus_its_drained_gate(cgroup2_manager):
+@pytest.mark.parametrize("native", [False, True], ids=["shim", "clone3"])
+def test_the_target_gets_the_fds_popen_gives_plus_its_drained_gate(cgroup2_manager, monkeypatch, native):
     """The shim keeps the gate's read end (so a parent that exits right after spawn cannot take the
-    gate away); dash cannot close it, so the target has exactly that one fd more, at EOF."""
+    gate away); dash cannot close it, so the target has exactly that one fd more, at EOF. The clone3
+    path has no gate: exactly Popen's fds."""
+    from cgturn.backends import spawn_paths
+    from cgturn.kernel import spawn as kspawn
+
+    if native and not kspawn.clone3_built():
+        pytest.skip("cgturn._spawn is not built here")
+    monkeypatch.setattr(spawn_paths, "can_clone3", native)
     turn = cgroup2_manager.begin_turn("fds")
     keep_r, keep_w = os.pipe()
     try:
         for kwargs, expected in (({}, {0, 1, 2}), ({"pass_fds": (keep_w,)}, {0, 1, 2, keep_w})):
             out = turn.spawn(["sh", "-c", "ls /proc/$$/fd"], stdout=subprocess.PIPE, text=True, **kwargs)
             fds = {int(fd) for fd in out.communicate(timeout=10)[0].split()}
-            assert expected <= fds and len(fds - expected) == 1
+            assert expected <= fds and len(fds - expected) == (0 if native else 1)
     finally:
         os.close(keep_r)
         os.close(keep_w)
@@ -214,6 +222,9 @@ def test_a_process_that_is_not_dumpable_still_spawns(cgroup2_manager, monkeypatc
     assert dropped.stdout.split() == ["False"], dropped.stderr  # a uid change makes it non-dumpable
     assert procfd.children_can_open_our_fds() is True
     monkeypatch.setattr(procfd, "children_can_open_our_fds", lambda: False)
+    from cgturn.backends import spawn_paths
+
+    monkeypatch.setattr(spawn_paths, "can_clone3", False)  # the gate is the shim's
     turn = cgroup2_manager.begin_turn("undumpable")
     out = turn.spawn(["sh", "-c", "ls /proc/$$/fd"], stdout=subprocess.PIPE, text=True)
     fds = {int(fd) for fd in out.communicate(timeout=10)[0].split()}

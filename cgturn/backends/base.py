@@ -288,11 +288,23 @@ def prepare_spawn(argv, popen_kwargs: dict) -> tuple[list[str], str, dict, "Iden
     from ..identity import resolve_identity
 
     kwargs = dict(popen_kwargs)
+    identity = resolve_identity(*(kwargs.pop(name, None) for name in IDENTITY_KWARGS))
+    argv, kwargs = normalize_spawn(argv, kwargs)
+    env = kwargs.get("env")
+    path = os.environ.get("PATH", os.defpath) if env is None else env.get("PATH", env.get(b"PATH", os.defpath))
+    program = resolve_program(argv[0], os.fsdecode(path), kwargs.get("cwd"))
+    return argv, program, kwargs, identity
+
+
+def normalize_spawn(argv, popen_kwargs: dict) -> tuple[list[str], dict]:
+    """A spawn request as (argv as a list of str, Popen kwargs): refused options raise ValueError,
+    shell=True becomes /bin/sh -c. The program is not resolved (a native spawn resolves it in the
+    child, along PATH, as Popen does)."""
+    kwargs = dict(popen_kwargs)
     for name, instead in _REFUSED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise ValueError(f"Turn.spawn does not support {name}=; {instead}")
         kwargs.pop(name, None)
-    identity = resolve_identity(*(kwargs.pop(name, None) for name in IDENTITY_KWARGS))
     if kwargs.pop("shell", False):  # as Popen does on POSIX: the rest become the shell's $0, $1, ...
         argv = ["/bin/sh", "-c", os.fsdecode(argv)] if isinstance(argv, (str, bytes)) else \
             ["/bin/sh", "-c", *map(os.fsdecode, argv)]
@@ -302,10 +314,7 @@ def prepare_spawn(argv, popen_kwargs: dict) -> tuple[list[str], str, dict, "Iden
         argv = [os.fsdecode(a) for a in argv]
     if not argv:
         raise ValueError("Turn.spawn needs a non-empty argv")
-    env = kwargs.get("env")
-    path = os.environ.get("PATH", os.defpath) if env is None else env.get("PATH", env.get(b"PATH", os.defpath))
-    program = resolve_program(argv[0], os.fsdecode(path), kwargs.get("cwd"))
-    return argv, program, kwargs, identity
+    return argv, kwargs
 
 
 def with_environment(kwargs: dict, additions: dict[str, str]) -> dict:

@@ -344,6 +344,14 @@ class Cgroup2Backend(Backend):
     def spawn(self, record, argv, popen_kwargs) -> "subprocess.Popen":
         import subprocess
 
+        from . import spawn_paths  # what spawns needs, a listing does not
+
+        # Straight into the cgroup when the native path can honour the request (spawn_paths.py);
+        # else, or when it hands the spawn back, the shim below.
+        if spawn_paths.choose(record, popen_kwargs) == spawn_paths.CLONE3:
+            proc = spawn_paths.spawn_clone3(self, record, argv, popen_kwargs)
+            if proc is not None:
+                return proc
         argv, program, kwargs, identity = prepare_spawn(argv, popen_kwargs)
         # Run by the shim after "go", in this order: inside the turn, as the caller, before the target.
         steps = isolation.drop_privileges(identity, record.sealed)

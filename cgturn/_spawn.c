@@ -1,0 +1,407 @@
+/* cgturn._spawn: start a child directly in a cgroup, with clone3(CLONE_INTO_CGROUP | CLONE_VFORK |
+ * CLONE_VM) (Linux 5.7+), and exec the target there. No migration, no shim, no window: the child is a
+ * member of the cgroup from its first instruction.
+ *
+ * The child shares the parent's memory and runs on its own stack until execve; it runs only
+ * async-signal-safe code (the discipline of CPython's _posixsubprocess and glibc's posix_spawn): no
+ * Python, no malloc, no locks. Every signal is blocked in the parent across the clone, so no handler of
+ * the parent can run in the child; the child resets handled signals to SIG_DFL and restores the
+ * caller's mask just before execve. CLONE_VFORK suspends only the calling thread until the child
+ * execs or exits, so the parent's memory (argv, envp, the stack buffer) stays valid for the child.
+ *
+ * Failures before or at exec are written to a CLOEXEC pipe as "OSError:<hex errno>:<stage>", the
+ * format _posixsubprocess uses; an exec that succeeds closes the pipe, so the parent reads EOF.
+ *
+ * Only x86_64 has the clone3 trampoline below (the child must call into C on its new stack, which a
+ * libc syscall() wrapper cannot do); elsewhere this file does not build and cgturn uses its shim.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#if !defined(__x86_64__)
+#error "cgturn._spawn: the clone3 trampoline is written for x86_64 only"
+#endif
+#ifndef SYS_clone3
+#define SYS_clone3 435
+#endif
+#ifndef SYS_close_range
+#define SYS_close_range 436
+#endif
+#ifndef CLONE_INTO_CGROUP
+#define CLONE_INTO_CGROUP 0x200000000ULL
+#endif
+
+/* The child's stack: the target's exec loop, a few libc wrappers and the fd loop need far less. */
+#define CHILD_STACK_SIZE (256 * 1024)
+
+struct clone_args_v2 {  /* struct clone_args up to CLONE_ARGS_SIZE_VER2 (Linux 5.7) */
+    uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls, set_tid,
+        set_tid_size, cgroup;
+};
+
+struct child {
+    char *const *argv;
+    char *const *envp;          /* NULL: the parent's environ */
+    char *const *exec_list;     /* candidate paths, tried in order (Popen's PATH search) */
+    const char *cwd;
+    const int *keep;            /* sorted fds that survive close_fds */
+    Py_ssize_t n_keep;
+    const int *join;            /* open v1 cgroup.procs files: the child writes "0" (itself) to each */
+    Py_ssize_t n_join;
+    int close_fds, restore_signals, start_new_session, process_group, umask_value;
+    int p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, errpipe_write;
+    int max_fd;                 /* close_fds without close_range(2): the loop's bound */
+    sigset_t mask;              /* the caller's signal mask, restored before execve */
+};
+
+/* --- child side: async-signal-safe only ------------------------------------------------------- */
+
+static void write_all(int fd, const char *buf, size_t len)
+{
+    while (len > 0) {
+        ssize_t n = write(fd, buf, len);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return;
+        buf += n;
+        len -= (size_t)n;
+    }
+}
+
+static void report(const struct child *c, int err, const char *stage)
+{
+    char buf[64] = "OSError:";
+    size_t pos = 8, i;
+    char digits[16];
+    int n = 0;
+    unsigned int value = (unsigned int)err;
+    do {
+        digits[n++] = "0123456789abcdef"[value & 0xf];
+        value >>= 4;
+    } while (value && n < (int)sizeof(digits));
+    while (n > 0)
+        buf[pos++] = digits[--n];
+    buf[pos++] = ':';
+    for (i = 0; stage[i] && pos < sizeof(buf); i++)
+        buf[pos++] = stage[i];
+    write_all(c->errpipe_write, buf, pos);
+}
+
+static int set_inheritable(int fd)
+{
+    int flags = fcntl(fd, F_GETFD);
+    if (flags < 0)
+        return -1;
+    if (flags & FD_CLOEXEC)
+        return fcntl(fd, F_SETFD, flags & ~FD_CLOEXEC);
+    return 0;
+}
+
+static void close_range_or_loop(int low, int high, int max_fd)
+{
+    if (low > high)
+        return;
+    if (syscall(SYS_close_range, (unsigned)low, (unsigned)high, 0) == 0)
+        return;
+    /* close_range(2) is 5.9+; clone3 with CLONE_INTO_CGROUP (5.7+) may run without it */
+    if (high > max_fd)
+        high = max_fd;
+    for (int fd = low; fd <= high; fd++)
+        close(fd);
+}
+
+static void close_all_but(const struct child *c)
+{
+    int low = 3;
+    for (Py_ssize_t i = 0; i < c->n_keep; i++) {
+        int keep = c->keep[i];
+        if (keep < low)
+            continue;
+        close_range_or_loop(low, keep - 1, c->max_fd);
+        low = keep + 1;
+    }
+    close_range_or_loop(low, INT_MAX, c->max_fd);
+}
+
+static void reset_signal_handlers(void)
+{
+    struct sigaction sa;
+    for (int sig = 1; sig < _NSIG; sig++) {
+        if (sig == SIGKILL || sig == SIGSTOP)
+            continue;
+        if (sigaction(sig, NULL, &sa) != 0)
+            continue;  /* glibc's reserved signals (32, 33) */
+        if (sa.sa_handler == SIG_IGN || sa.sa_handler == SIG_DFL)
+            continue;
+        sa.sa_handler = SIG_DFL;
+        sa.sa_flags = 0;
+        sigemptyset(&sa.sa_mask);
+        sigaction(sig, &sa, NULL);
+    }
+}
+
+#define FAIL(stage) do { report(c, errno, stage); return 255; } while (0)
+
+static int child_main(void *arg)
+{
+    const struct child *c = arg;
+    int p2cread = c->p2cread, c2pwrite = c->c2pwrite, errwrite = c->errwrite;
+
+    reset_signal_handlers();  /* all signals stay blocked until execve */
+    for (Py_ssize_t i = 0; i < c->n_join; i++)  /* v1 hierarchies: before anything runs */
+        if (write(c->join[i], "0", 1) != 1)
+            FAIL("noexec:cgroup");
+
+    /* As _posixsubprocess: the parent's pipe ends go; the standard fds are dup2'd from what Popen
+     * prepared, never clobbering one another. */
+    if (c->p2cwrite != -1 && close(c->p2cwrite) != 0) FAIL("noexec");
+    if (c->c2pread != -1 && close(c->c2pread) != 0) FAIL("noexec");
+    if (c->errread != -1 && close(c->errread) != 0) FAIL("noexec");
+    for (Py_ssize_t i = 0; i < c->n_keep; i++)
+        if (c->keep[i] != c->errpipe_write && set_inheritable(c->keep[i]) != 0)
+            FAIL("noexec");
+    if (c2pwrite == 0 && (c2pwrite = dup(c2pwrite)) < 0) FAIL("noexec");
+    while (errwrite == 0 || errwrite == 1)
+        if ((errwrite = dup(errwrite)) < 0) FAIL("noexec");
+    if (p2cread == 0) {
+        if (set_inheritable(0) != 0) FAIL("noexec");
+    } else if (p2cread != -1 && dup2(p2cread, 0) < 0) FAIL("noexec");
+    if (c2pwrite == 1) {
+        if (set_inheritable(1) != 0) FAIL("noexec");
+    } else if (c2pwrite != -1 && dup2(c2pwrite, 1) < 0) FAIL("noexec");
+    if (errwrite == 2) {
+        if (set_inheritable(2) != 0) FAIL("noexec");
+    } else if (errwrite != -1 && dup2(errwrite, 2) < 0) FAIL("noexec");
+
+    if (c->cwd && chdir(c->cwd) != 0) FAIL("noexec:chdir");
+    if (c->umask_value >= 0)
+        umask((mode_t)c->umask_value);
+    if (c->restore_signals) {  /* what Python ignores at startup (_Py_RestoreSignals) */
+        signal(SIGPIPE, SIG_DFL);
+        signal(SIGXFSZ, SIG_DFL);
+    }
+    if (c->start_new_session && setsid() < 0) FAIL("noexec");
+    if (c->process_group >= 0 && setpgid(0, c->process_group) != 0) FAIL("noexec");
+    if (c->close_fds)
+        close_all_but(c);
+    sigprocmask(SIG_SETMASK, &c->mask, NULL);
+
+    /* Popen's PATH search (os._execvpe): the first error that is not "not here" wins. */
+    int saved = 0;
+    for (Py_ssize_t i = 0; c->exec_list[i] != NULL; i++) {
+        if (c->envp)
+            execve(c->exec_list[i], c->argv, c->envp);
+        else
+            execv(c->exec_list[i], c->argv);
+        if (errno != ENOENT && errno != ENOTDIR && saved == 0)
+            saved = errno;
+    }
+    if (saved)
+        errno = saved;
+    report(c, errno, "");
+    return 255;
+}
+
+/* clone3 with the child starting in child_main(arg) on its own stack; returns the pid, or -errno.
+ * Registers survive `syscall` except rax, rcx and r11: the child finds fn and arg in r9 and r8, its
+ * stack pointer at stack + stack_size (kernel/fork.c, clone3_stack_valid), and never returns here. */
+static long clone3_call(struct clone_args_v2 *args, int (*fn)(void *), void *arg)
+{
+    long ret;
+    register void *r8 __asm__("r8") = arg;
+    register int (*r9)(void *) __asm__("r9") = fn;
+    __asm__ volatile(
+        "syscall\n\t"
+        "test %%rax, %%rax\n\t"
+        "jnz 1f\n\t"
+        "xor %%ebp, %%ebp\n\t"
+        "mov %%r8, %%rdi\n\t"
+        "call *%%r9\n\t"
+        "mov %%eax, %%edi\n\t"
+        "mov $231, %%eax\n\t"  /* exit_group */
+        "syscall\n\t"
+        "hlt\n"
+        "1:\n\t"
+        : "=a"(ret)
+        : "0"((long)SYS_clone3), "D"(args), "S"(sizeof(*args)), "r"(r8), "r"(r9)
+        : "rcx", "r11", "memory");
+    return ret;
+}
+
+/* --- parent side ------------------------------------------------------------------------------ */
+
+/* A NULL-terminated char* array pointing into the bytes objects of `seq` (kept alive in *keep). */
+static char **bytes_array(PyObject *seq, PyObject **keep)
+{
+    PyObject *tuple = PySequence_Tuple(seq);
+    if (!tuple)
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(tuple);
+    char **out = PyMem_Calloc((size_t)n + 1, sizeof(char *));
+    if (!out) {
+        Py_DECREF(tuple);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(tuple, i);
+        if (!PyBytes_Check(item)) {
+            PyErr_SetString(PyExc_TypeError, "expected a sequence of bytes");
+            goto fail;
+        }
+        if ((Py_ssize_t)strlen(PyBytes_AS_STRING(item)) != PyBytes_GET_SIZE(item)) {
+            PyErr_SetString(PyExc_ValueError, "embedded null byte");
+            goto fail;
+        }
+        out[i] = PyBytes_AS_STRING(item);
+    }
+    *keep = tuple;
+    return out;
+fail:
+    PyMem_Free(out);
+    Py_DECREF(tuple);
+    return NULL;
+}
+
+static int *int_array(PyObject *seq, Py_ssize_t *count)
+{
+    PyObject *fast = PySequence_Fast(seq, "expected a sequence of ints");
+    if (!fast)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    int *out = PyMem_Calloc((size_t)n + 1, sizeof(int));
+    if (!out) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (v == -1 && PyErr_Occurred()) {
+            PyMem_Free(out);
+            Py_DECREF(fast);
+            return NULL;
+        }
+        out[i] = (int)v;
+    }
+    Py_DECREF(fast);
+    *count = n;
+    return out;
+}
+
+PyDoc_STRVAR(spawn_doc,
+"spawn(args, executable_list, close_fds, fds_to_keep, cwd, env_list,\n"
+"      p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, errpipe_write,\n"
+"      restore_signals, start_new_session, process_group, umask, cgroup_fd, join_fds) -> pid\n\n"
+"Start a child in the cgroup open at cgroup_fd (clone3 CLONE_INTO_CGROUP|CLONE_VFORK|CLONE_VM) and\n"
+"exec the first of executable_list that runs. Arguments follow _posixsubprocess.fork_exec; join_fds\n"
+"are open cgroup.procs files (cgroup v1) the child joins first. Exec failures are written to\n"
+"errpipe_write as 'OSError:<hex errno>:<stage>'. Raises OSError when clone3 itself fails.");
+
+static PyObject *spawn(PyObject *self, PyObject *a)
+{
+    PyObject *args, *exec_list, *keep_seq, *cwd_obj, *env_obj, *join_seq;
+    int close_fds, restore_signals, start_new_session, cgroup_fd;
+    struct child c;
+    memset(&c, 0, sizeof c);
+    if (!PyArg_ParseTuple(a, "OOpOOOiiiiiiippiiiO:spawn", &args, &exec_list, &close_fds, &keep_seq,
+                          &cwd_obj, &env_obj, &c.p2cread, &c.p2cwrite, &c.c2pread, &c.c2pwrite,
+                          &c.errread, &c.errwrite, &c.errpipe_write, &restore_signals,
+                          &start_new_session, &c.process_group, &c.umask_value, &cgroup_fd, &join_seq))
+        return NULL;
+    c.close_fds = close_fds;
+    c.restore_signals = restore_signals;
+    c.start_new_session = start_new_session;
+
+    PyObject *keep_argv = NULL, *keep_exec = NULL, *keep_env = NULL, *result = NULL;
+    char **argv = NULL, **execs = NULL, **envp = NULL;
+    int *keep = NULL, *join = NULL;
+    if (!(argv = bytes_array(args, &keep_argv)) || !(execs = bytes_array(exec_list, &keep_exec)))
+        goto done;
+    if (env_obj != Py_None && !(envp = bytes_array(env_obj, &keep_env)))
+        goto done;
+    if (cwd_obj != Py_None && !PyBytes_Check(cwd_obj)) {
+        PyErr_SetString(PyExc_TypeError, "cwd must be bytes or None");
+        goto done;
+    }
+    if (!(keep = int_array(keep_seq, &c.n_keep)) || !(join = int_array(join_seq, &c.n_join)))
+        goto done;
+    c.argv = argv;
+    c.exec_list = execs;
+    c.envp = envp;
+    c.cwd = cwd_obj == Py_None ? NULL : PyBytes_AS_STRING(cwd_obj);
+    c.keep = keep;
+    c.join = join;
+    long max_fd = sysconf(_SC_OPEN_MAX);
+    c.max_fd = max_fd > 0 && max_fd < INT_MAX ? (int)max_fd : 65536;
+
+    void *stack = mmap(NULL, CHILD_STACK_SIZE, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+    if (stack == MAP_FAILED) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    struct clone_args_v2 cl;
+    memset(&cl, 0, sizeof cl);
+    cl.flags = CLONE_VM | CLONE_VFORK | (cgroup_fd >= 0 ? CLONE_INTO_CGROUP : 0);
+    cl.exit_signal = SIGCHLD;
+    cl.stack = (uint64_t)(uintptr_t)stack;
+    cl.stack_size = CHILD_STACK_SIZE;
+    cl.cgroup = cgroup_fd >= 0 ? (uint64_t)cgroup_fd : 0;
+
+    sigset_t all;
+    sigfillset(&all);
+    long pid;
+    int saved_errno = 0;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_sigmask(SIG_SETMASK, &all, &c.mask);
+    pid = clone3_call(&cl, child_main, &c);
+    pthread_sigmask(SIG_SETMASK, &c.mask, NULL);
+    Py_END_ALLOW_THREADS
+    if (pid < 0)
+        saved_errno = (int)-pid;
+    munmap(stack, CHILD_STACK_SIZE);
+    if (saved_errno) {
+        errno = saved_errno;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    result = PyLong_FromLong(pid);
+done:
+    PyMem_Free(argv);
+    PyMem_Free(execs);
+    PyMem_Free(envp);
+    PyMem_Free(keep);
+    PyMem_Free(join);
+    Py_XDECREF(keep_argv);
+    Py_XDECREF(keep_exec);
+    Py_XDECREF(keep_env);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"spawn", spawn, METH_VARARGS, spawn_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "cgturn._spawn",
+    "clone3(CLONE_INTO_CGROUP) spawn for cgturn: the child starts in the turn's cgroup.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__spawn(void)
+{
+    return PyModule_Create(&module);
+}

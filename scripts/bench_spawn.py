@@ -1,0 +1,117 @@
+"""Spawn paths side by side (issue 16): Turn.spawn through clone3 (cgturn._spawn) and through the shim
+against plain Popen, call-return and start-to-exit (/bin/true), interleaved in a fresh random order
+every round; then turn churn (begin + spawn + wait + complete) per path; ratios against the targets.
+
+Everything lives in one managed root `<own cgroup>/cgturn-bench-spawn-<random>`, removed at the end
+(scripts/bench.py `destroy`). Run as root: python3 scripts/bench_spawn.py [--spawns N] [--seconds S]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+from bench import churn, destroy  # noqa: E402
+
+from cgturn import TurnManager, discover_host  # noqa: E402
+from cgturn.backends import spawn_paths  # noqa: E402
+
+
+def forced(path: str):
+    """Force the spawn path for the next calls (the capability flag the tests patch)."""
+    def set_path():
+        spawn_paths.can_clone3 = path == spawn_paths.CLONE3
+    return set_path
+
+
+def spawn_rows(mgr: TurnManager, count: int) -> dict[str, tuple[float, float]]:
+    """Median ms (call returns, start to exit) per method."""
+    turn = mgr.begin_turn("bench-spawn")
+    clone3, shim = forced(spawn_paths.CLONE3), forced(spawn_paths.SHIM)
+    methods = {
+        "Popen": (lambda: None, lambda: subprocess.Popen(["/bin/true"])),
+        "Turn.spawn clone3": (clone3, lambda: turn.spawn(["/bin/true"])),
+        "Turn.spawn shim": (shim, lambda: turn.spawn(["/bin/true"])),
+    }
+    calls = {k: [] for k in methods}
+    cycles = {k: [] for k in methods}
+    rng = random.Random(7)
+    for _ in range(count):
+        for name in rng.sample(list(methods), len(methods)):
+            prepare, start = methods[name]
+            prepare()
+            t0 = time.perf_counter()
+            p = start()
+            t1 = time.perf_counter()
+            p.wait()
+            t2 = time.perf_counter()
+            calls[name].append(t1 - t0)
+            cycles[name].append(t2 - t0)
+    turn.abandon("bench", grace=0)
+    return {k: (statistics.median(calls[k]) * 1e3, statistics.median(cycles[k]) * 1e3) for k in methods}
+
+
+def churn_on(mgr: TurnManager, path: str, seconds: float) -> float:
+    forced(path)()
+    return churn(mgr, seconds)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spawns", type=int, default=300)
+    ap.add_argument("--seconds", type=float, default=3.0, help="per churn measurement")
+    args = ap.parse_args()
+    host = discover_host()
+    if host.cgroup2_mount is None or os.geteuid() != 0:
+        print("needs root and a cgroup2 mount", file=sys.stderr)
+        return 1
+    if not spawn_paths.can_clone3:
+        print("cgturn._spawn is not built (pip install -e . with a compiler)", file=sys.stderr)
+        return 1
+    root = os.path.join(host.own_cgroup or host.cgroup2_mount, f"cgturn-bench-spawn-{uuid.uuid4().hex[:8]}")
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with tempfile.TemporaryDirectory() as state:
+        try:
+            with TurnManager(root=root, backend="cgroup2", state_dir=state) as mgr:
+                rows = spawn_rows(mgr, args.spawns)
+                rates = {}
+                for path in (spawn_paths.CLONE3, spawn_paths.SHIM, spawn_paths.CLONE3, spawn_paths.SHIM):
+                    rates.setdefault(path, []).append(churn_on(mgr, path, args.seconds / 2))
+        except KeyboardInterrupt:
+            print("interrupted: cleaning up", file=sys.stderr)
+            return 130
+        finally:
+            destroy(root)
+    print(f"cgturn spawn bench on {os.uname().release}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
+          f"{args.spawns} spawns per method")
+    base_call, base_cycle = rows["Popen"]
+    print("\n| method | call returns (ms) | start to exit (ms) | call vs Popen | exit vs Popen |")
+    print("|---|---:|---:|---:|---:|")
+    for name, (call, cycle) in rows.items():
+        print(f"| {name} | {call:.3f} | {cycle:.3f} | {call / base_call:.2f}x | {cycle / base_cycle:.2f}x |")
+    churn_rates = {path: statistics.mean(r) for path, r in rates.items()}
+    print("\n| turn churn (begin + spawn + complete) | turns/s |")
+    print("|---|---:|")
+    for path, rate in churn_rates.items():
+        print(f"| {path} | {rate:.0f} |")
+    call, cycle = rows["Turn.spawn clone3"]
+    print("\nAgainst the targets (issue 16):")
+    print(f"- call-return: clone3 {call / base_call:.2f}x Popen (target <= 1.15x)")
+    print(f"- start-to-exit: clone3 {cycle / base_cycle:.2f}x Popen (target <= 1.1x)")
+    print(f"- churn: clone3 {churn_rates['clone3']:.0f} turns/s (target >= 600; shim {churn_rates['shim']:.0f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,328 @@
+"""Turn.spawn's paths (cgturn/backends/spawn_paths.py): the native clone3(CLONE_INTO_CGROUP) path and the
+shim, each forced in turn (the capability flag, as trio does), behave as subprocess.Popen for the options
+they honour; the target is in its turn from its first act; spawns racing abandons never leave a target
+running after the mark; threads spawning while others fork neither deadlock nor lose a child.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from cgturn import NoSuchTurn
+from cgturn.backends import spawn_paths
+from cgturn.kernel import spawn as kspawn
+from cgturn.limits import Limits
+from conftest import PY, turn_dir, v1_mirrors, wait_until
+
+pytestmark = [pytest.mark.cgroup2, pytest.mark.root]
+
+PATHS = [spawn_paths.CLONE3, spawn_paths.SHIM]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    """Force one spawn path; the clone3 path is skipped (with its reason) where the extension is not built."""
+    if request.param == spawn_paths.CLONE3:
+        if not kspawn.clone3_built():
+            if os.environ.get("CI") == "true":
+                pytest.fail("cgturn._spawn is not built in CI (pip install -e . builds it with gcc)")
+            pytest.skip("cgturn._spawn is not built here")
+        monkeypatch.setattr(spawn_paths, "can_clone3", True)
+    else:
+        monkeypatch.setattr(spawn_paths, "can_clone3", False)
+    return request.param
+
+
+@pytest.fixture
+def turn(cgroup2_manager, path):
+    return cgroup2_manager.begin_turn("native")
+
+
+def took(proc, path) -> None:
+    """The spawn went the forced way."""
+    assert isinstance(proc, kspawn.CgroupPopen) == (path == spawn_paths.CLONE3)
+
+
+def cgroup_line(text: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith("0::"))
+
+
+def test_doctor_lists_the_paths_preferred_first():
+    from cgturn.host import doctor_report
+
+    paths = doctor_report()["spawn_paths"]
+    assert paths == (["clone3", "shim"] if kspawn.clone3_built() else ["shim"])
+
+
+# --- Popen behaviour, on every path ---------------------------------------------------------------
+
+def test_first_act_is_in_the_turn_with_popen_attributes(cgroup2_manager, turn, path):
+    argv = ["cat", "/proc/self/cgroup"]
+    proc = turn.spawn(argv, stdout=subprocess.PIPE, text=True)
+    took(proc, path)
+    out, err = proc.communicate(timeout=10)
+    assert (proc.returncode, err) == (0, None)
+    if path == spawn_paths.CLONE3:  # the shim's Popen shows the shim's argv
+        assert proc.args == argv
+    assert cgroup_line(out) == "0::" + turn_dir(cgroup2_manager, turn)[len(cgroup2_manager.backend.mount):]
+
+
+def test_pipes_both_ways(turn, path):
+    proc = turn.spawn(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    took(proc, path)
+    assert proc.communicate(b"hello\n", timeout=10) == (b"hello\n", b"")
+    proc = turn.spawn([PY, "-c", "import sys; sys.stderr.write('e')"], stderr=subprocess.STDOUT, stdout=subprocess.PIPE)
+    assert proc.communicate(timeout=10) == (b"e", None)
+
+
+def test_cwd_env_umask(turn, path, tmp_path):
+    proc = turn.spawn([PY, "-c", "import os; print(os.getcwd(), os.environ['X'], os.environ['CGTURN_TURN'], "
+                       "oct(os.umask(0)))"], cwd=str(tmp_path), env={"X": "y", "PATH": os.environ["PATH"]},
+                      umask=0o027, stdout=subprocess.PIPE, text=True)
+    took(proc, path)
+    assert proc.communicate(timeout=10)[0].split() == [str(tmp_path), "y", turn.record.turn_key, "0o27"]
+
+
+def test_program_resolved_along_the_env_path_in_the_child(turn, path, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tool = bin_dir / "cgturn-only-here"
+    tool.write_text("#!/bin/sh\necho found\n")
+    tool.chmod(0o755)
+    proc = turn.spawn(["cgturn-only-here"], env={"PATH": f"/nonexistent:{bin_dir}"}, stdout=subprocess.PIPE)
+    assert proc.communicate(timeout=10)[0] == b"found\n"
+
+
+def test_pass_fds_and_close_fds(turn, path):
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+    os.set_inheritable(r2, True)  # close_fds must close it anyway
+    try:
+        code = "import os; print(sorted(int(f) for f in os.listdir('/proc/self/fd')))"
+        proc = turn.spawn([PY, "-c", code], pass_fds=(r1,), stdout=subprocess.PIPE, text=True)
+        fds = set(eval(proc.communicate(timeout=10)[0]))
+        assert r1 in fds and r2 not in fds and w1 not in fds
+        if path == spawn_paths.CLONE3:  # the shim passes its gate, and Popen then closes the rest
+            proc = turn.spawn([PY, "-c", code], close_fds=False, stdout=subprocess.PIPE, text=True)
+            assert r2 in set(eval(proc.communicate(timeout=10)[0]))
+    finally:
+        for fd in (r1, w1, r2, w2):
+            os.close(fd)
+
+
+@pytest.mark.parametrize("option", ["start_new_session", "process_group"])
+def test_session_and_process_group(turn, path, option):
+    kwargs = {"start_new_session": True} if option == "start_new_session" else {"process_group": 0}
+    proc = turn.spawn([PY, "-c", "import os; print(os.getpid(), os.getsid(0), os.getpgid(0))"],
+                      stdout=subprocess.PIPE, text=True, **kwargs)
+    took(proc, path)
+    pid, sid, pgid = map(int, proc.communicate(timeout=10)[0].split())
+    assert pid == proc.pid and pgid == pid
+    assert (sid == pid) == (option == "start_new_session")
+
+
+def test_exec_failures_raise_as_popen(turn, path, tmp_path):
+    with pytest.raises(FileNotFoundError) as missing:
+        turn.spawn(["cgturn-no-such-program"])
+    assert (missing.value.errno, missing.value.filename) == (errno.ENOENT, "cgturn-no-such-program")
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    with pytest.raises(PermissionError) as denied:
+        turn.spawn([str(plain)])
+    assert (denied.value.errno, denied.value.filename) == (errno.EACCES, str(plain))
+    if path == spawn_paths.CLONE3:  # the shim's parent-side resolution names the program, not cwd
+        with pytest.raises(FileNotFoundError) as no_cwd:
+            turn.spawn(["true"], cwd=str(tmp_path / "gone"))
+        assert no_cwd.value.filename == str(tmp_path / "gone")
+
+
+def test_exit_codes_and_signals(turn, path):
+    assert turn.spawn(["sh", "-c", "exit 7"]).wait(timeout=10) == 7
+    proc = turn.spawn(["sleep", "30"])
+    took(proc, path)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+
+
+def test_signal_state_is_reset_in_the_child(turn, path):
+    """Python's ignored SIGPIPE/SIGXFSZ and a handler of the caller's are default in the target."""
+    old = signal.signal(signal.SIGUSR1, lambda *a: None)
+    try:
+        proc = turn.spawn(["grep", "-E", "^Sig(Ign|Cgt|Blk)", "/proc/self/status"], stdout=subprocess.PIPE, text=True)
+        fields = dict(line.split(":\t") for line in proc.communicate(timeout=10)[0].splitlines())
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    ignored, caught = int(fields["SigIgn"], 16), int(fields["SigCgt"], 16)
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGUSR1):
+        assert not ignored & (1 << (sig - 1)) and not caught & (1 << (sig - 1)), sig
+
+
+# --- which path, and when the native one hands over ----------------------------------------------
+
+def test_requests_the_native_path_cannot_honour_take_the_shim(cgroup2_manager, path):
+    turn = cgroup2_manager.begin_turn("handover")
+    proc = turn.spawn(["true"], preexec_fn=os.getpid)
+    assert not isinstance(proc, kspawn.CgroupPopen) and proc.wait(timeout=10) == 0
+    assert spawn_paths.choose(turn.record, {"stdout": subprocess.PIPE}) == path
+    assert spawn_paths.choose(turn.record, {"stdout": None, "startupinfo": object()}) == spawn_paths.SHIM
+
+
+def test_a_frozen_turn_spawns_through_the_shim(cgroup2_manager, path):
+    turn = cgroup2_manager.begin_turn("frozen")
+    turn.freeze()
+    try:
+        proc = turn.spawn(["true"])  # a vfork child frozen before exec would block this call
+        assert not isinstance(proc, kspawn.CgroupPopen)
+    finally:
+        turn.thaw()
+    assert proc.wait(timeout=10) == 0
+
+
+def test_a_kernel_refusal_switches_to_the_shim(cgroup2_manager, path, monkeypatch):
+    """ENOSYS from clone3 (an old kernel or a container's seccomp filter) cannot be produced here:
+    the extension call is replaced for this error branch only; the shim then runs for real."""
+    if path != spawn_paths.CLONE3:
+        pytest.skip("the refusal is the native path's")
+
+    class Refusing:
+        @staticmethod
+        def spawn(*args):
+            raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(kspawn, "_spawn", Refusing)
+    turn = cgroup2_manager.begin_turn("refused")
+    proc = turn.spawn(["cat", "/proc/self/cgroup"], stdout=subprocess.PIPE, text=True)
+    assert not isinstance(proc, kspawn.CgroupPopen)
+    assert cgroup_line(proc.communicate(timeout=10)[0]).endswith("/" + turn.record.turn_key)
+    assert spawn_paths.can_clone3 is False and spawn_paths.available() == ["shim"]
+
+
+def test_v1_directories_are_joined_before_the_target(cgroup2_manager, path):
+    report = cgroup2_manager.limits_report()
+    if report["layout"] != "v1-hybrid" or "pids" not in report["available"]:
+        pytest.skip(f"needs pids in a v1 hierarchy (a hybrid host); here: {report['layout']}")
+    turn = cgroup2_manager.begin_turn("v1", limits=Limits(pids_max=20))
+    assert turn.record.v1_dirs
+    proc = turn.spawn(["cat", "/proc/self/cgroup"], stdout=subprocess.PIPE, text=True)
+    took(proc, path)
+    lines = dict(line.split(":", 1)[1].split(":", 1) for line in proc.communicate(timeout=10)[0].splitlines())
+    want = v1_mirrors(cgroup2_manager.backend.root.path)["pids"]
+    assert lines["pids"].endswith(f"/{turn.record.task_key}/{turn.record.turn_key}"), (lines["pids"], want)
+
+
+# --- races and threads ----------------------------------------------------------------------------
+
+def test_spawns_racing_abandons_never_outlive_the_mark(cgroup2_manager, path):
+    """A spawner hammers a turn while it is abandoned: every spawn either raises NoSuchTurn or its
+    process dies in the abandon; after the abandon returns, no spawn succeeds."""
+    for round_ in range(15):
+        turn = cgroup2_manager.begin_turn("race", f"r{round_}")
+        started, stop, errors = [], threading.Event(), []
+
+        def spawner():
+            while not stop.is_set():
+                try:
+                    started.append(turn.spawn(["sleep", "30"]))
+                except NoSuchTurn:
+                    return
+                except BaseException as err:  # noqa: BLE001 - reported below
+                    errors.append(err)
+                    return
+
+        worker = threading.Thread(target=spawner)
+        worker.start()
+        assert wait_until(lambda: len(started) >= 1 + round_ % 4, timeout=10)
+        turn.abandon("race", grace=0.0)
+        stop.set()
+        worker.join(timeout=20)
+        assert not worker.is_alive() and errors == []
+        with pytest.raises(NoSuchTurn):
+            turn.spawn(["sleep", "30"])
+        for proc in started:  # a target that ran after the kill would still be sleeping
+            assert proc.wait(timeout=10) in (-signal.SIGKILL, -signal.SIGTERM)
+
+
+def test_threads_spawning_while_others_fork(cgroup2_manager, path):
+    """8 threads spawn `cat /proc/self/cgroup` in their own turns (250 each) while 2 threads fork:
+    no deadlock (bounded by a deadline), every child reports its own turn as its first act."""
+    per_thread = 250 if path == spawn_paths.CLONE3 else 60
+    turns = [cgroup2_manager.begin_turn("threads", f"t{i}") for i in range(8)]
+    mount = cgroup2_manager.backend.mount
+    expected = ["0::" + turn_dir(cgroup2_manager, t)[len(mount):] for t in turns]
+    done, bad, forks = threading.Event(), [], [0]
+
+    def spawn_many(i):
+        try:
+            for _ in range(per_thread):
+                proc = turns[i].spawn(["cat", "/proc/self/cgroup"], stdout=subprocess.PIPE, text=True)
+                line = cgroup_line(proc.communicate(timeout=30)[0])
+                if line != expected[i] or proc.returncode != 0:
+                    bad.append((i, line, proc.returncode))
+        except BaseException as err:  # noqa: BLE001 - reported below
+            bad.append((i, repr(err)))
+
+    def fork_loop():
+        while not done.is_set() and forks[0] < 2000:
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+            forks[0] += 1
+
+    forkers = [threading.Thread(target=fork_loop) for _ in range(2)]
+    spawners = [threading.Thread(target=spawn_many, args=(i,)) for i in range(8)]
+    for t in forkers + spawners:
+        t.start()
+    deadline = time.monotonic() + 240
+    for t in spawners:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    done.set()
+    for t in forkers:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in spawners + forkers), "deadlock: a thread did not finish in time"
+    assert bad == []
+    assert forks[0] > 0
+
+
+def test_a_forked_child_does_not_keep_a_spawn_lock(cgroup2_manager, path):
+    """os.fork in another thread while a spawn holds its shared lock: the child closes its copy, so
+    an abandon (which takes the lock exclusively) is not held off by a long-lived forked child."""
+    turn = cgroup2_manager.begin_turn("forked")
+    children, stop = [], threading.Event()
+
+    def forker():
+        while not stop.is_set() and len(children) < 200:
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(30)  # a long-lived Python child, as a worker pool makes
+                os._exit(0)
+            children.append(pid)
+
+    t = threading.Thread(target=forker)
+    t.start()
+    try:
+        for _ in range(100):
+            turn.spawn(["true"]).wait(timeout=10)
+        stop.set()
+        t.join(timeout=10)
+        result = [None]
+        abandoner = threading.Thread(target=lambda: result.__setitem__(0, turn.abandon("done", grace=0.0)))
+        abandoner.start()
+        abandoner.join(timeout=20)
+        assert not abandoner.is_alive(), "an abandon waited for a forked child's copy of a spawn lock"
+    finally:
+        stop.set()
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
