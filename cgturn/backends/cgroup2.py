@@ -9,32 +9,31 @@ shell to start. preexec_fn would force fork and is unsafe with threads;
 spawn-then-move without a gate missed 1-9 % of children here; clone3(CLONE_INTO_CGROUP) from ctypes
 is unsafe with threads.
 
-Kill: cgroup.kill (5.14+) SIGKILLs the subtree and, via a flag checked in cgroup_post_fork, whatever is
-forked during the kill. Where it is missing or refused, freeze -> enumerate -> SIGKILL -> thaw, repeated
-until the subtree is empty (what runc does).
+Kill paths are in cgroup2_killing.py, limits and figures in cgroup2_governance.py (mixins of the one
+backend class), the listing hot path in cgroup2_views.py, where controllers live in cgroup2_limits.py.
 
-Why one module of ~400 lines: owning, spawning and killing share the turn-directory guards and the
-membership checks that make each race-free; the listing hot path lives in cgroup2_views.py.
+Why one module of ~430 lines: creating a turn, its records and state changes, and spawning into it
+share the turn-directory lock and the checks that make a spawn race-free against an abandon.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import signal
 import threading
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Iterable
 
-from ..errors import AccessDenied, IsolationUnavailable, KernelError, LimitsUnavailable, NoSuchTurn, TurnExists, UnsafeOperation
+from ..errors import AccessDenied, IsolationUnavailable, NoSuchTurn, TurnExists, UnsafeOperation
 from ..kernel import procfs
-from ..kernel.cgroupfs import Cgroup, KillUnsupported, child_entries
-from ..limits import Limits, Usage
+from ..kernel.cgroupfs import Cgroup
+from ..limits import Limits
 from ..kernel.discovery import cgroup_mount_points, own_cgroup_dir
 from ..model import COMPLETED, CORRUPT, RUNNING, TurnRecord, TurnView
 from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag
 from . import cgroup2_views, isolation
-from .cgroup2_limits import Layout, turn_limits
+from .cgroup2_governance import GovernanceMixin
+from .cgroup2_killing import KillingMixin
+from .cgroup2_limits import Layout
 from .metadata import XATTR_KEY, MetadataStore
 
 if TYPE_CHECKING:
@@ -50,11 +49,9 @@ log = logging.getLogger("cgturn")
 # target's error. Exporting in the shim spares Popen a copy of the whole environment.
 SPAWN_SHIM = (f'read go 2>/dev/null < "$0" && [ "$go" = go ] || exit 125; '
               f'export {ENV_TASK}="$1" {ENV_TURN}="$2" {ENV_SCOPE}="$3"; shift 3; exec "$@"')
-FREEZE_TIMEOUT = 1.0
-FALLBACK_ROUNDS = 50
 
 
-class Cgroup2Backend(Backend):
+class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
     name = "cgroup2"
 
     def __init__(self, root: str, mount: str, state_dir: str, fsroot: str = "/", use_xattrs: bool = True,
@@ -181,116 +178,6 @@ class Cgroup2Backend(Backend):
                 raise
             return
         raise TurnExists(f"could not create turn {record.turn_id!r}: its task directory keeps vanishing")
-
-    def _limit_new_turn(self, record: TurnRecord, cg: Cgroup, task: Cgroup, limits: Limits) -> None:
-        """Give a new turn its limits and, on v1, its v1 directories when any level has limits."""
-        layout = self.layout
-        if layout.v1_dirs():  # some controller lives in v1: does a limit apply to this turn?
-            inherited = layout.stored_limits(task).merged(layout.stored_limits(self.root))
-            if layout.uses_v1(limits) or layout.uses_v1(inherited):
-                layout.make_v1_dirs(record.task_key, record.turn_key)
-                record.v1_dirs = True
-        effective = layout.default_limits().merged(limits)
-        if not effective.is_empty():
-            layout.apply(effective, cg.path, record.task_key, record.turn_key)
-        record.limits = None if limits.is_empty() else json.dumps(limits.to_stored())
-
-    # --- limits at the three levels ----------------------------------------------------------------
-
-    def set_turn_limits(self, record: TurnRecord, limits: Limits) -> TurnRecord:
-        layout = self.layout
-        merged = turn_limits(record).merged(limits)
-        layout.check(merged)
-        cg = self._cg(record)
-        if layout.uses_v1(merged) and not record.v1_dirs:
-            record = self._give_v1_dirs(record)
-        layout.apply(merged, cg.path, record.task_key, record.turn_key)
-        won, rec = self.transition(record.task_key, record.turn_key, {record.state}, record.state,
-                                   {"limits": json.dumps(merged.to_stored()), "v1_dirs": record.v1_dirs})
-        if rec is None:
-            raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} no longer exists")
-        return rec
-
-    def set_task_limits(self, task_key: str, limits: Limits) -> None:
-        layout = self.layout
-        self.ensure_root()
-        task = self.root.child(task_key)
-        merged = layout.stored_limits(task).merged(limits)
-        layout.check(merged)
-        if task.create():
-            layout.enable_v2(task)
-        if layout.uses_v1(merged):
-            layout.make_v1_dirs(task_key)
-            for rec in self.records(task_key):
-                if not rec.v1_dirs and rec.state != CORRUPT:
-                    self._give_v1_dirs(rec)
-        layout.apply(merged, task.path, task_key)
-        layout.store_limits(task, merged)
-
-    def set_root_limits(self, limits: Limits) -> None:
-        layout = self.layout
-        self.ensure_root()
-        merged = layout.stored_limits(self.root).merged(limits)
-        layout.check(merged)
-        if layout.uses_v1(merged):
-            layout.make_v1_dirs()
-            for rec in self.records():
-                if not rec.v1_dirs and rec.state != CORRUPT:
-                    self._give_v1_dirs(rec)
-        layout.apply(merged, self.root.path)
-        layout.store_limits(self.root, merged)
-
-    def task_limits(self, task_key: str) -> Limits:
-        return self.layout.stored_limits(self.root.child(task_key))
-
-    def root_limits(self) -> Limits:
-        return self.layout.stored_limits(self.root)
-
-    def unthrottle(self, record: TurnRecord) -> None:
-        if turn_limits(record).cpus is None:
-            return
-        try:
-            self.layout.apply(Limits(cpus="max"), self._cg(record).path, record.task_key, record.turn_key)
-        except (LimitsUnavailable, KernelError, FileNotFoundError) as err:
-            log.debug("cannot lift the cpu limit of dying turn %r: %s", record.turn_id, err)
-
-    def turn_usage(self, record: TurnRecord) -> Usage:
-        return self.layout.usage(self._cg(record).path, record.task_key, record.turn_key)
-
-    def task_usage(self, task_key: str) -> Usage:
-        return self.layout.usage(self.root.child(task_key).path, task_key)
-
-    def root_usage(self) -> Usage:
-        return self.layout.usage(self.root.path)
-
-    def limits_report(self) -> dict:
-        return self.layout.report()
-
-    def turn_pressure(self, record: TurnRecord) -> dict | None:
-        return cgroup2_views.pressure(self._cg(record).path)
-
-    def turn_frozen(self, record: TurnRecord) -> bool:
-        return self._cg(record).events().get("frozen", 0) == 1
-
-    def _give_v1_dirs(self, record: TurnRecord) -> TurnRecord:
-        """Make a running turn's v1 directories and move its processes in, frozen meanwhile so that
-        none forks past the move (cgroup.freeze, 5.2+)."""
-        cg = self._cg(record)
-        self.layout.make_v1_dirs(record.task_key, record.turn_key)
-        was_frozen = cg.events().get("frozen", 0) == 1  # paused by a user or the guard: stays so
-        cg.set_frozen(True)
-        try:
-            cg.wait_events(lambda ev: ev.get("frozen", 1) == 1, FREEZE_TIMEOUT)
-            for pid in cg.procs_recursive():
-                try:
-                    self.layout.join_v1(pid, record.task_key, record.turn_key)
-                except (FileNotFoundError, KernelError):
-                    continue  # exited meanwhile
-        finally:
-            if not was_frozen:
-                cg.set_frozen(False)
-        _, rec = self.transition(record.task_key, record.turn_key, {record.state}, record.state, {"v1_dirs": True})
-        return rec or record
 
     def _replace_finished(self, cg: Cgroup) -> bool:
         """Remove an existing turn cgroup that holds nothing and will hold nothing: a completed turn,
@@ -506,113 +393,6 @@ class Cgroup2Backend(Backend):
             return None
         return own_cgroup_dir(self.mount, self.fsroot, f"0::{rel}\n")
 
-    # --- killing ----------------------------------------------------------------------------------
-
-    def _guard(self, cg: Cgroup) -> None:
-        """Refuse to kill or freeze outside the managed root, or a cgroup holding the caller, one of
-        its ancestors or PID 1."""
-        real = os.path.realpath(cg.path)
-        if not real.startswith(os.path.realpath(self.root.path) + "/"):
-            raise UnsafeOperation(f"refusing to kill {cg.path}: outside the managed root {self.root.path}")
-        who = self._protected_inside(cg)
-        if who is not None:
-            raise UnsafeOperation(f"refusing to kill {cg.path}: it contains {who}")
-
-    def _protected_inside(self, cg: Cgroup) -> str | None:
-        """Which protected process (the caller, an ancestor of it, PID 1) `cg` holds; None if none."""
-        me = os.getpid()
-        for pid in sorted(procfs.protected_pids()):
-            where = procfs.cgroup_of("self" if pid == me else pid)
-            if where is not None and self._under(cg, where):
-                who = "the calling process" if pid == me else ("PID 1" if pid == 1 else "an ancestor of the caller")
-                return f"{who} ({pid})"
-        return None
-
-    def signal_members(self, record, sig) -> list[int]:
-        cg = self._cg(record)
-        self._guard(cg)
-        sent = []
-        for pid in cg.procs_recursive():
-            if self._signal_if_inside(cg, pid, sig):
-                sent.append(pid)
-        return sent
-
-    def _signal_if_inside(self, cg: Cgroup, pid: int, sig: int) -> bool:
-        """Signal `pid` only if, once pinned by a pidfd, it is still inside `cg` (no PID-reuse hit)."""
-        fd = procfs.open_pidfd(pid)
-        if fd is None:
-            return False
-        try:
-            where = procfs.cgroup_of(pid)
-            if where is None or not self._under(cg, where):
-                return False
-            return procfs.pidfd_signal(fd, sig)
-        finally:
-            os.close(fd)
-
-    def _under(self, cg: Cgroup, rel: str) -> bool:
-        path = self._path_on_mount(rel)
-        return path is not None and (path == cg.path or path.startswith(cg.path + "/"))
-
-    def kill_members(self, record) -> list[int]:
-        cg = self._cg(record)
-        self._guard(cg)
-        pids = cg.procs_recursive()
-        if self.cgroup_kill_works:
-            try:
-                cg.kill()
-                return pids
-            except FileNotFoundError:
-                return pids
-            except KillUnsupported as err:
-                if not os.path.isdir(cg.path):
-                    return pids
-                log.warning("cgroup.kill unusable (%s); falling back to freeze + kill", err)
-                self.cgroup_kill_works = False
-        return sorted(set(pids) | set(self._freeze_and_kill(cg, lambda pid, start: True)))
-
-    def _freeze_and_kill(self, cg: Cgroup, doomed: Callable[[int, int], bool], rounds=FALLBACK_ROUNDS) -> list[int]:
-        """Freeze, SIGKILL what `doomed` selects, thaw; repeat until none is left to kill."""
-        killed: set[int] = set()
-        for _ in range(rounds):
-            hit = False
-            try:
-                cg.set_frozen(True)
-            except FileNotFoundError:
-                break
-            try:
-                cg.wait_events(lambda ev: ev.get("frozen", 1) == 1, FREEZE_TIMEOUT)
-                for pid in cg.procs_recursive():
-                    started = procfs.start_time(pid)
-                    if started is not None and doomed(pid, started) and self._signal_if_inside(cg, pid, signal.SIGKILL):
-                        killed.add(pid)
-                        hit = True
-            finally:
-                try:
-                    cg.set_frozen(False)
-                except FileNotFoundError:
-                    pass
-            if not hit:
-                break
-        return sorted(killed)
-
-    def freeze_members(self, record, frozen: bool) -> list[int]:
-        cg = self._cg(record)
-        self._guard(cg)
-        pids = cg.procs_recursive()
-        try:
-            cg.set_frozen(frozen)
-        except FileNotFoundError:
-            raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} no longer exists") from None
-        # cgroup.events `frozen` follows once every task has stopped (or runs again).
-        cg.wait_events(lambda ev: ev.get("frozen", int(frozen)) == int(frozen), FREEZE_TIMEOUT)
-        return pids
-
-    def kill_where(self, record, doomed) -> list[int]:
-        cg = self._cg(record)
-        self._guard(cg)
-        return self._freeze_and_kill(cg, doomed, rounds=1)
-
     def wait_empty(self, record, timeout) -> bool:
         return self._cg(record).wait_unpopulated(timeout)
 
@@ -624,30 +404,6 @@ class Cgroup2Backend(Backend):
         if record.v1_dirs:
             self.layout.remove_v1_dirs(record.task_key, record.turn_key)
         return True
-
-    def strays(self) -> list[tuple[str, int]]:
-        """Processes directly in the managed root or in a task directory: only a turn process that
-        moved itself (or a child) out of its turn puts one there (no controllers are enabled, so
-        non-leaf cgroups may hold processes)."""
-        out = [(self.root.path, pid) for pid in self.root.procs()]
-        for task in self.root.children():
-            out.extend((task.path, pid) for pid in task.procs())
-        return out
-
-    def kill_stray(self, where: str, pid: int) -> bool:
-        cg = Cgroup(where)
-        if cg != self.root and os.path.dirname(where) != self.root.path:
-            raise UnsafeOperation(f"refusing to kill in {where}: not the managed root or a task directory")
-        if pid in procfs.protected_pids():
-            raise UnsafeOperation(f"refusing to kill process {pid}: the caller, an ancestor of it, or PID 1")
-        fd = procfs.open_pidfd(pid)
-        if fd is None:
-            return False
-        try:  # pinned by the pidfd: signal it only if it is still where it was found
-            here = self._path_on_mount(procfs.cgroup_of(pid) or "")
-            return here == where and procfs.pidfd_signal(fd, signal.SIGKILL)
-        finally:
-            os.close(fd)
 
     def task_keys(self) -> list[str]:
         return [cg.name for cg in self.root.children()]
@@ -666,22 +422,6 @@ class Cgroup2Backend(Backend):
         if self.layout.v1_dirs():
             self.layout.remove_v1_dirs(task_key)
         return True
-
-    def sweep_v1_dirs(self) -> list[str]:
-        """Remove v1 directories whose turn or task is gone from cgroup2 (an owner that crashed
-        between the two removals); returns the paths removed."""
-        removed = []
-        for controller, root in self.layout.v1_dirs().items():
-            for task_name, _ in child_entries(root):
-                task_v2 = self.root.child(task_name)
-                for turn_name, _ in child_entries(os.path.join(root, task_name)):
-                    if not os.path.isdir(task_v2.child(turn_name).path):
-                        path = os.path.join(root, task_name, turn_name)
-                        if Cgroup(path).remove_tree(timeout=0.5):
-                            removed.append(path)
-                if not os.path.isdir(task_v2.path) and Cgroup(os.path.join(root, task_name)).remove_tree(timeout=0.5):
-                    removed.append(os.path.join(root, task_name))
-        return removed
 
     def views(self, task_key=None) -> list[TurnView]:
         """One pass over the tree (see cgroup2_views)."""
