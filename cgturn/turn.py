@@ -42,6 +42,11 @@ class Turn:
         return self._record.turn_id
 
     @property
+    def started_at(self) -> float:
+        """When the turn began (wall clock, seconds since the epoch)."""
+        return self._record.started_at
+
+    @property
     def key(self) -> tuple[str, str]:
         """(task_key, turn_key): the encoded directory names (what CGTURN_TASK/CGTURN_TURN hold)."""
         return self._record.task_key, self._record.turn_key

@@ -16,7 +16,8 @@ PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 ORDER = ("leaves", "kernel", "backends", "ownership", "supervision", "faces")
 LAYERS = {
     "leaves": ("cgturn.model", "cgturn.ids", "cgturn.errors", "cgturn.reasons", "cgturn.audit",
-               "cgturn.statefiles", "cgturn.limits", "cgturn.clocks", "cgturn.leases", "cgturn.identity"),
+               "cgturn.statefiles", "cgturn.limits", "cgturn.clocks", "cgturn.leases", "cgturn.identity",
+               "cgturn.outcomes"),
     "kernel": ("cgturn.kernel", "cgturn._spawn"),  # _spawn: the C extension (clone3 into a cgroup)
     "backends": ("cgturn.backends",),
     "ownership": ("cgturn.manager", "cgturn.turn", "cgturn.killing", "cgturn.recovery", "cgturn.listing",
