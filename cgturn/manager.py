@@ -354,26 +354,53 @@ class TurnManager:
         """Take the calling process back to where it was before its first `Turn.enter()`."""
         self.backend.leave()
 
-    def end_task(self, task_id: str, reason: str = reasons.END_TASK) -> AbandonResult:
+    def end_task(self, task_id: str, reason: str = reasons.END_TASK, grace: float = 2.0) -> AbandonResult:
         """Kill everything the task owns, completed turns' survivors included, and remove its turns.
 
-        A blank task id matches nothing. Raises UnsafeOperation if a turn contains the caller.
+        Every turn gets SIGTERM, then up to `grace` seconds (the turns' graces run side by side), then
+        SIGKILL; `grace=0` sends no SIGTERM. A turn that must not be killed (it holds the caller, one
+        of its ancestors or PID 1) is left alone and listed in `refused`; every other turn is ended.
+
+        Returns:
+            An AbandonResult: `killed` (every turn's pids), `signals`, `duration_ms` (the whole call),
+            `refused` ([{"turn": id, "error": why}]), `killed_by` (this process). A blank task id
+            matches nothing.
+
+        Raises:
+            ValueError: a negative grace or a reason that cannot be recorded.
         """
         reasons.validate(reason)
+        if not grace >= 0:
+            raise ValueError(f"grace must be >= 0, got {grace!r}")
+        started = time.monotonic()
+        result = AbandonResult(reason=reason, killed_by=os.getpid())
         if not _valid(task_id):
-            return AbandonResult(skipped=True, reason=reason)
+            result.skipped = True
+            return result
         task_key = ids.encode(task_id)
-        records = self.backend.records(task_key)
-        for rec in records:
-            self._refuse_if_caller_inside(rec)
-        result = AbandonResult(reason=reason)
-        for rec in records:
-            one = self.abandon_turn(rec.task_key, rec.turn_key, reason, grace=0.0, force=True)
+        doomed = []
+        for rec in self.backend.records(task_key):
+            try:
+                self._refuse_if_caller_inside(rec)
+            except UnsafeOperation as err:
+                result.refused.append({"turn": rec.turn_id, "error": str(err)})
+            else:
+                doomed.append(rec)
+        for one in _map(lambda rec: self.abandon_turn(rec.task_key, rec.turn_key, reason, grace, force=True),
+                        doomed, parallel=grace > 0):
             result.killed.extend(one.killed)
             result.signals = sorted(set(result.signals) | set(one.signals))
-        self.backend.remove_task(task_key, force=True)  # its budget, if any, ends with it
+        if not result.refused:
+            self.backend.remove_task(task_key, force=True)  # its budget, if any, ends with it
         result.killed.sort()
+        result.duration_ms = (time.monotonic() - started) * 1000
         return result
+
+    async def aend_task(self, task_id: str, reason: str = reasons.END_TASK, grace: float = 2.0) -> AbandonResult:
+        """`end_task` for asyncio: runs in a worker thread, so the grace never blocks the loop."""
+        import asyncio
+
+        return await asyncio.to_thread(self.end_task, task_id, reason, grace)
 
     # --- compatibility with the registry cgturn replaces ----------------------------------------
 
@@ -608,6 +635,21 @@ def _sentinel_setting(value: bool | None) -> bool:
     if value is not None:
         return bool(value)
     return os.environ.get("CGTURN_SENTINEL", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+# Turns of one task whose graces run side by side in end_task (a thread each, while it runs).
+END_TASK_THREADS = 8
+
+
+def _map(fn, items: list, parallel: bool) -> list:
+    """[fn(item) for item in items], in up to END_TASK_THREADS threads when `parallel` and there are
+    several (each waits out its own grace: waiting side by side bounds the whole call by one grace)."""
+    if not parallel or len(items) < 2:
+        return [fn(item) for item in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(END_TASK_THREADS, len(items)), thread_name_prefix="cgturn-end") as pool:
+        return list(pool.map(fn, items))
 
 
 def _owner_may_read(rec: TurnRecord) -> bool:

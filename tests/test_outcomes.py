@@ -1,12 +1,14 @@
 """A supervised turn abandoned by someone else: the outcome carries that abandon's reason, killer and
 kill, and `on_interrupt` fires with that reason (both backends, real processes, a real CLI)."""
 import asyncio
+import json
 import os
+import signal
 import subprocess
 import threading
 
 from cgturn import Supervisor, outcomes
-from conftest import alive, cgturn_argv, cgturn_env, wait_until
+from conftest import alive, audit_records, cgturn_argv, cgturn_env, wait_until
 
 SLEEP = ["sleep", "300"]
 
@@ -59,7 +61,7 @@ def test_end_task_in_another_thread_while_a_blocking_worker_waits(manager):
     proc = turn.spawn(SLEEP)
     interrupts = []
     sup = Supervisor(turn, on_interrupt=interrupts.append, use_sentinel=False)
-    threading.Thread(target=lambda: wait_until(lambda: alive(proc.pid)) and manager.end_task("gw"),
+    threading.Thread(target=lambda: wait_until(lambda: alive(proc.pid)) and manager.end_task("gw", grace=0),
                      daemon=True).start()
     outcome = sup.run_blocking(lambda: proc.wait(timeout=60))
     assert outcome.abandoned and outcome.external and outcome.reason == "end-task"
@@ -88,3 +90,37 @@ def _my_start():
     from cgturn.kernel import procfs
 
     return procfs.start_time(os.getpid())
+
+
+def test_end_task_terms_then_kills_with_one_grace_and_true_figures(manager):
+    """SIGTERM to every turn (the graces run side by side), SIGKILL after `grace`; duration_ms is real."""
+    polite = manager.begin_turn("eg", "polite").spawn(SLEEP)
+    done = manager.begin_turn("eg", "done")
+    survivor = done.spawn(SLEEP)
+    done.complete()
+    stubborn_turns = [manager.begin_turn("eg", f"stubborn-{i}") for i in range(2)]
+    stubborn = [t.spawn(["sh", "-c", "trap '' TERM; echo ready; exec sleep 300"], stdout=subprocess.PIPE, text=True)
+                for t in stubborn_turns]
+    assert [p.stdout.readline() for p in stubborn] == ["ready\n", "ready\n"]
+    result = manager.end_task("eg", grace=0.5)
+    assert polite.wait(timeout=10) == survivor.wait(timeout=10) == -signal.SIGTERM
+    assert [p.wait(timeout=10) for p in stubborn] == [-signal.SIGKILL] * 2
+    assert set(result.killed) >= {polite.pid, survivor.pid, *(p.pid for p in stubborn)}
+    assert result.signals == ["SIGKILL", "SIGTERM"] and result.refused == [] and result.killed_by == os.getpid()
+    assert result.duration_ms >= 500  # it waited out the grace (figures, not timing: the floor is the grace)
+    kills = [r for r in audit_records(manager.state_dir) if r.get("task") == "eg"]
+    assert sorted(r["turn"] for r in kills) == ["done", "polite", "stubborn-0", "stubborn-1"]
+    assert manager.turns("eg") == []
+
+
+def test_cli_end_with_grace_and_reason(manager):
+    proc = manager.begin_turn("ce", "t").spawn(SLEEP)
+    argv = cgturn_argv(manager.root, manager.state_dir, "end", "ce", "--grace", "5", "--reason", "session-over",
+                       "--json", backend=manager.backend_name)
+    out = subprocess.run(argv, env=cgturn_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["killed"] == [proc.pid] and data["signals"] == ["SIGTERM"] and data["refused"] == []
+    assert data["reason"] == "session-over" and data["duration_ms"] > 0
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+    assert audit_records(manager.state_dir, "t")[-1]["reason"] == "session-over"
