@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import clocks, ids, reasons, sentinel
+from . import clocks, ids, reasons, sentinel, watchdog
 from .model import ABANDONED, COMPLETED, RUNNING, AbandonResult
 
 log = logging.getLogger("cgturn.supervisor")
@@ -49,8 +49,9 @@ ACTIVITY_POLL = 0.1
 # How long run() waits for a cancelled coroutine worker to unwind after an abandon.
 CANCEL_WAIT = 1.0
 # How often the watchdog reads a supervised turn's state, to notice an abandon by another process
-# (`cgturn stop`, the sentinel, the guard): one record read (a getxattr on cgroup v2).
-STATE_POLL = 0.25
+# (`cgturn stop`, the sentinel, the guard) while the worker runs on: one record read (a getxattr on
+# cgroup v2) per turn and second.
+STATE_POLL = 1.0
 # How long an owner waits for another process's kill of its turn to finish (its note, see
 # cgturn.outcomes) while that killer runs; and, when the killer is unknown, at all.
 EXTERNAL_WAIT = 60.0
@@ -181,9 +182,7 @@ class Supervisor:
         self._usage = None                        # read as the worker finished
         self._interrupted = False
         self._settled = threading.Event()        # the outcome is final (kill finished, or completed)
-        self._wake = threading.Event()           # wakes the watchdog early (finish, stop)
         self._fired: Callable[[], None] = lambda: None  # wakes an async run() from another thread
-        self._watchdog: threading.Thread | None = None
         self._sentinel = None
         self._paused = clocks.PausedTime()  # frozen time the clocks leave out (cgturn.clocks)
         # An abandon by someone else: who (pid), and when its figures are known (`_abandon_result`).
@@ -292,8 +291,8 @@ class Supervisor:
             client.guard(self.turn, deadline=self._deadline_at(), inactivity=self.timeout, grace=self.grace)
         if self.timeout is not None or self.deadline is not None:
             self._paused = clocks.PausedTime(self._frozen_total()[0])
-        self._watchdog = threading.Thread(target=self._watch, name="cgturn-watchdog", daemon=True)
-        self._watchdog.start()
+        self._next_poll = self._started_at + STATE_POLL
+        watchdog.shared().schedule(self, self._next_due(self._started_at))
 
     def _read_usage(self):
         try:
@@ -309,7 +308,6 @@ class Supervisor:
             self._await_external_figures()
 
     def _finish_run(self) -> Outcome:
-        self._wake.set()
         _dispatcher(self.turn.manager).forget(self)
         if self.run_markers is not None:
             self.run_markers.clear()
@@ -344,7 +342,6 @@ class Supervisor:
                 # Completed (by this call, or by another hand: Turn.complete): it stands.
                 self._completed, self._result = True, result
                 self._settled.set()
-                self._wake.set()
                 return
         if rec is not None and rec.state == ABANDONED:
             self._abandoned_elsewhere(rec.reason or reasons.UNKNOWN, rec)
@@ -385,7 +382,6 @@ class Supervisor:
             if result is not None:
                 self._abandon_result, self._killed_by = result, result.killed_by
                 self._resolved.set()
-        self._wake.set()
         try:
             self._interrupt(reason)
         finally:
@@ -397,7 +393,6 @@ class Supervisor:
         from .kernel import procfs
 
         started = time.monotonic()
-        turn = self.turn
         while not self._resolved.is_set():
             note = self._take_note()
             if note is not None:
@@ -442,10 +437,13 @@ class Supervisor:
             first = self._reason is None
             if first:
                 self._reason = reason
-        self._wake.set()
         if not first:
             self._settled.wait()
             return self._abandon_result or AbandonResult(skipped=True, reason=self._reason)
+        return self._carry_out(reason, grace, interrupt)
+
+    def _carry_out(self, reason: str, grace: float | None, interrupt: bool) -> AbandonResult:
+        """The decided abandon: the interrupt (unless fired already), then the one kill."""
         try:
             if interrupt:
                 self._interrupt(reason)
@@ -492,7 +490,7 @@ class Supervisor:
                 return AbandonResult(skipped=True, reason=reason)
         return self.turn.abandon(reason, grace=grace)
 
-    # --- the watchdog ---------------------------------------------------------------------------
+    # --- the watchdog (cgturn.watchdog: one thread for the process) -------------------------------
 
     def _deadline_at(self) -> float | None:
         return None if self.deadline is None else self._started_at + self.deadline
@@ -511,7 +509,8 @@ class Supervisor:
         return last
 
     def _due(self) -> tuple[float, str]:
-        options = [(time.monotonic() + STATE_POLL, "")]
+        """The nearest of the deadline and the inactivity timeout, with its reason (inf: neither)."""
+        options = [(float("inf"), "")]
         if self.deadline is not None:
             options.append((self._deadline_at() + self._paused.deadline, REASON_DEADLINE))
         if self.timeout is not None:
@@ -540,31 +539,34 @@ class Supervisor:
             due = max(due, now + clocks.FROZEN_RECHECK)
         return due, reason
 
-    def _watch(self) -> None:
-        """Daemon thread: abandon the turn when its deadline or inactivity timeout passes.
+    def _next_due(self, now: float) -> float:
+        due = min(self._due()[0], self._next_poll)
+        return min(due, now + ACTIVITY_POLL) if self.activity is not None else due
 
-        A thread, not a task on the event loop: it fires while the loop is blocked (time.sleep in a
-        coroutine, a CPU-bound callback; the GIL is handed over every sys.getswitchinterval()).
-        """
-        while True:
-            if self._settled.is_set() or self._reason is not None:
-                return
-            due, reason = self._due()
-            now = time.monotonic()
-            if reason and due <= now:
-                due, reason = self._due_after_pauses(now)
-            if reason and due <= now:
-                try:
-                    self.stop(reason)
-                except Exception:  # noqa: BLE001 - recorded on the outcome by stop()
-                    log.exception("watchdog could not abandon turn %r", self.turn.turn_id)
-                return
-            wait = due - now
-            if self.activity is not None:
-                wait = min(wait, ACTIVITY_POLL)
-            if self._wake.wait(wait):
-                self._wake.clear()
+    def on_due(self, now: float) -> float | None:
+        """Watchdog thread: notice an abandon by another process, fire a timeout or deadline that has
+        passed (the decision and `on_interrupt` here; the kill in the watchdog's kill pool); returns
+        the next time to look, or None when the outcome is decided."""
+        if self._reason is not None or self._completed:
+            return None
+        if now >= self._next_poll:
+            self._next_poll = now + STATE_POLL
             self._poll_state()
+            if self._reason is not None:
+                return None
+        due, reason = self._due()
+        if not (reason and due <= now):
+            return self._next_due(now)
+        due, reason = self._due_after_pauses(now)  # the clocks stop while the turn is frozen
+        if due > now:
+            return min(due, self._next_poll)  # frozen meanwhile: pushed back, at least a recheck away
+        with self._lock:
+            if self._completed or self._reason is not None:
+                return None
+            self._reason = reason
+        self._interrupt(reason)
+        watchdog.shared().submit(self._carry_out, reason, None, False)
+        return None
 
     def _poll_state(self) -> None:
         """Notice an abandon by another process: the turn's record says abandoned, or it is gone."""

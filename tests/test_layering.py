@@ -22,7 +22,8 @@ LAYERS = {
     "backends": ("cgturn.backends",),
     "ownership": ("cgturn.manager", "cgturn.turn", "cgturn.killing", "cgturn.recovery", "cgturn.listing",
                   "cgturn.host", "cgturn.processes", "cgturn.admission", "cgturn.keys"),
-    "supervision": ("cgturn.supervisor", "cgturn.sentinel", "cgturn.sentinel_main", "cgturn.guard"),
+    "supervision": ("cgturn.supervisor", "cgturn.watchdog", "cgturn.sentinel", "cgturn.sentinel_main",
+                    "cgturn.guard"),
     "faces": ("cgturn.cli", "cgturn.pytest_plugin", "cgturn.metrics", "cgturn.__main__"),
 }
 # What a face may import from the package besides its own modules: the package itself (whose names
