@@ -114,6 +114,15 @@ def abandon_disconnected(run: Run, grace: float = 2.0) -> AbandonResult | None:
 reap_disconnected = abandon_disconnected  # the name earlier versions and the contract use
 
 
+async def areap_disconnected(run: Run, grace: float = 2.0) -> AbandonResult | None:
+    """`abandon_disconnected` for asyncio: the kill and its grace run in a worker thread, so a process
+    that ignores SIGTERM never stalls the event loop. Returns as `abandon_disconnected`."""
+    return await asyncio.to_thread(abandon_disconnected, run, grace)
+
+
+aabandon_disconnected = areap_disconnected
+
+
 @dataclasses.dataclass
 class Outcome:
     """How a supervised turn ended. Exactly one of completed / abandoned (`reason` set) holds."""

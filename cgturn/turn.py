@@ -237,6 +237,17 @@ class Turn:
         return result
 
 
+    async def aabandon(self, reason: str, grace: float = 2.0, force: bool = False) -> AbandonResult:
+        """`abandon` for asyncio: the kill (and its grace) runs in a worker thread, never on the loop.
+        Raises as `abandon`."""
+        import asyncio
+
+        if not grace >= 0:
+            raise ValueError("grace must be >= 0")
+        reasons.validate(reason)  # bad input raises here, in the caller's frame
+        return await asyncio.to_thread(self.abandon, reason, grace, force)
+
+
 def make_turn(manager: "TurnManager", record: TurnRecord) -> Turn:
     """The manager's factory for Turn objects."""
     return Turn(manager, record, _MADE_BY_MANAGER)

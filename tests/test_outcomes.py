@@ -124,3 +124,41 @@ def test_cli_end_with_grace_and_reason(manager):
     assert data["reason"] == "session-over" and data["duration_ms"] > 0
     assert proc.wait(timeout=10) == -signal.SIGTERM
     assert audit_records(manager.state_dir, "t")[-1]["reason"] == "session-over"
+
+
+def test_async_counterparts_never_block_the_loop(manager):
+    """aabandon, aend_task and areap_disconnected wait out a grace (SIGTERM ignored) in a thread: the
+    loop keeps running meanwhile (a ticker advances), and each returns the sync call's result."""
+    from cgturn import Run, areap_disconnected
+
+    stubborn = ["sh", "-c", "trap '' TERM; echo ready; exec sleep 300"]
+
+    def start(task, turn_id):
+        turn = manager.begin_turn(task, turn_id)
+        proc = turn.spawn(stubborn, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "ready\n"
+        return turn, proc
+
+    async def ticking(coro):
+        ticks = 0
+        task = asyncio.ensure_future(coro)
+        while not task.done():
+            ticks += 1
+            await asyncio.sleep(0.01)
+        return await task, ticks
+
+    async def main():
+        turn, proc = start("as", "a")
+        one, ticks_a = await ticking(turn.aabandon("bye", grace=0.3))
+        assert one.killed == [proc.pid] and one.signals == ["SIGTERM", "SIGKILL"] and ticks_a > 1
+        _, proc2 = start("as", "b")
+        two, ticks_b = await ticking(manager.aend_task("as", grace=0.3))
+        assert two.killed == [proc2.pid] and ticks_b > 1
+        turn3, proc3 = start("as", "c")
+        run = Run("r")
+        run.mark("as", turn3)
+        three, ticks_c = await ticking(areap_disconnected(run, grace=0.3))
+        assert three.killed == [proc3.pid] and three.reason == "disconnect" and ticks_c > 1
+        assert await areap_disconnected(Run("idle")) is None
+
+    asyncio.run(main())
