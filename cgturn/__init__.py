@@ -28,6 +28,7 @@ _EXPORTS = {
     "ProcessInfo": "processes",
     "Supervisor": "supervisor", "Outcome": "supervisor", "Run": "supervisor",
     "reap_disconnected": "supervisor", "abandon_disconnected": "supervisor",
+    "areap_disconnected": "supervisor", "aabandon_disconnected": "supervisor",
     "attach_sentinel": "sentinel",
 }
 # submodules faces may use through the package: the vocabulary and plain helpers
@@ -63,5 +64,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .processes import ProcessInfo
     from .recovery import RecoveryAction
     from .sentinel import attach_sentinel
-    from .supervisor import Outcome, Run, Supervisor, abandon_disconnected, reap_disconnected
+    from .supervisor import (Outcome, Run, Supervisor, aabandon_disconnected, abandon_disconnected,
+                             areap_disconnected, reap_disconnected)
     from .turn import Turn

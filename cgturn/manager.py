@@ -18,7 +18,8 @@ from .errors import AccessDenied, AlreadyRunning, NoSuchProcess, NoSuchTurn, Uns
 from .host import choose_backend, discover_host, wanted_backend
 from .kernel import procfs
 from .limits import Limits, Usage
-from .model import ABANDONED, COMPLETED, CORRUPT, NETWORKS, RUNNING, AbandonResult, TurnInfo, TurnRecord
+from .model import (ABANDONED, COMPLETED, CORRUPT, NETWORKS, RUNNING, AbandonResult, TurnEnded, TurnInfo,
+                    TurnRecord)
 from .turn import Turn, make_turn
 
 log = logging.getLogger("cgturn")
@@ -39,9 +40,9 @@ def default_state_dir() -> str:
 class Listeners:
     """Observers of a manager's turns (the sentinel client, a gateway's hooks).
 
-    An observer may define turn_begun(turn), turn_touched(turn), turn_ended(task_key, turn_key),
-    lease_set(record) (a completed turn's lease was set, moved or cleared) and manager_closed(); each is called synchronously and must be cheap. A failing observer is logged
-    and never breaks ownership.
+    An observer may define turn_begun(turn), turn_touched(turn), turn_ended(event: TurnEnded),
+    lease_set(record) (a completed turn's lease was set, moved or cleared) and manager_closed(); each
+    is called synchronously and must be cheap. A failing observer is logged and never breaks ownership.
     """
 
     def __init__(self):
@@ -353,26 +354,53 @@ class TurnManager:
         """Take the calling process back to where it was before its first `Turn.enter()`."""
         self.backend.leave()
 
-    def end_task(self, task_id: str, reason: str = reasons.END_TASK) -> AbandonResult:
+    def end_task(self, task_id: str, reason: str = reasons.END_TASK, grace: float = 2.0) -> AbandonResult:
         """Kill everything the task owns, completed turns' survivors included, and remove its turns.
 
-        A blank task id matches nothing. Raises UnsafeOperation if a turn contains the caller.
+        Every turn gets SIGTERM, then up to `grace` seconds (the turns' graces run side by side), then
+        SIGKILL; `grace=0` sends no SIGTERM. A turn that must not be killed (it holds the caller, one
+        of its ancestors or PID 1) is left alone and listed in `refused`; every other turn is ended.
+
+        Returns:
+            An AbandonResult: `killed` (every turn's pids), `signals`, `duration_ms` (the whole call),
+            `refused` ([{"turn": id, "error": why}]), `killed_by` (this process). A blank task id
+            matches nothing.
+
+        Raises:
+            ValueError: a negative grace or a reason that cannot be recorded.
         """
         reasons.validate(reason)
+        if not grace >= 0:
+            raise ValueError(f"grace must be >= 0, got {grace!r}")
+        started = time.monotonic()
+        result = AbandonResult(reason=reason, killed_by=os.getpid())
         if not _valid(task_id):
-            return AbandonResult(skipped=True, reason=reason)
+            result.skipped = True
+            return result
         task_key = ids.encode(task_id)
-        records = self.backend.records(task_key)
-        for rec in records:
-            self._refuse_if_caller_inside(rec)
-        result = AbandonResult(reason=reason)
-        for rec in records:
-            one = self.abandon_turn(rec.task_key, rec.turn_key, reason, grace=0.0, force=True)
+        doomed = []
+        for rec in self.backend.records(task_key):
+            try:
+                self._refuse_if_caller_inside(rec)
+            except UnsafeOperation as err:
+                result.refused.append({"turn": rec.turn_id, "error": str(err)})
+            else:
+                doomed.append(rec)
+        for one in _map(lambda rec: self.abandon_turn(rec.task_key, rec.turn_key, reason, grace, force=True),
+                        doomed, parallel=grace > 0):
             result.killed.extend(one.killed)
             result.signals = sorted(set(result.signals) | set(one.signals))
-        self.backend.remove_task(task_key, force=True)  # its budget, if any, ends with it
+        if not result.refused:
+            self.backend.remove_task(task_key, force=True)  # its budget, if any, ends with it
         result.killed.sort()
+        result.duration_ms = (time.monotonic() - started) * 1000
         return result
+
+    async def aend_task(self, task_id: str, reason: str = reasons.END_TASK, grace: float = 2.0) -> AbandonResult:
+        """`end_task` for asyncio: runs in a worker thread, so the grace never blocks the loop."""
+        import asyncio
+
+        return await asyncio.to_thread(self.end_task, task_id, reason, grace)
 
     # --- compatibility with the registry cgturn replaces ----------------------------------------
 
@@ -453,7 +481,7 @@ class TurnManager:
         won, rec = self.backend.transition(task_key, turn_key, {RUNNING}, COMPLETED,
                                            {"ended_at": now, "expires_at": leases.expires_at(now, keep_for)})
         if won and rec is not None:
-            self.events.emit("turn_ended", task_key, turn_key)
+            self.events.emit("turn_ended", TurnEnded(rec.task_id, rec.turn_id, task_key, turn_key, COMPLETED))
             if rec.expires_at is not None:
                 self.events.emit("lease_set", rec)
             if self.backend.wait_empty(rec, 0):
@@ -497,17 +525,44 @@ class TurnManager:
             when=when)
         if not won or rec is None:
             return AbandonResult(skipped=True, reason=(rec.reason if rec else None) or reason)
-        self.events.emit("turn_ended", task_key, turn_key)
         from . import killing
 
-        return killing.kill_turn(self.backend, rec, reason, grace, self.state_dir,
-                                 before_removal=self._audit_limits_quietly)
+        result = killing.kill_turn(self.backend, rec, reason, grace, self.state_dir,
+                                   before_removal=self._audit_limits_quietly)
+        self._ended(rec, result)
+        return result
 
     def finish_kill(self, rec: TurnRecord) -> AbandonResult:
         """Kill a turn already marked abandoned whose killer died midway."""
         from . import killing
 
-        return killing.kill_turn(self.backend, rec, rec.reason or reasons.UNKNOWN, 0.0, self.state_dir)
+        result = killing.kill_turn(self.backend, rec, rec.reason or reasons.UNKNOWN, 0.0, self.state_dir)
+        self._ended(rec, result)
+        return result
+
+    def _ended(self, rec: TurnRecord, result: AbandonResult) -> None:
+        """An abandon this process carried out is done: leave the owner its note when the owner is
+        another live process (cgturn.outcomes), then tell this process's listeners."""
+        result.killed_by = os.getpid()
+        event = TurnEnded(rec.task_id, rec.turn_id, rec.task_key, rec.turn_key, ABANDONED, result.reason,
+                          list(result.killed), result.killed_by, list(result.signals), result.duration_ms,
+                          result.usage)
+        if rec.owner_pid is not None and rec.owner_pid != result.killed_by and _owner_may_read(rec):
+            from . import outcomes
+
+            outcomes.write_note(self.state_dir, {
+                "task_key": rec.task_key, "turn_key": rec.turn_key, "task": rec.task_id, "turn": rec.turn_id,
+                "started_at": rec.started_at, "owner_pid": rec.owner_pid, "owner_start": rec.owner_start,
+                "reason": result.reason, "killed_by": result.killed_by, "killed": result.killed,
+                "signals": result.signals, "duration_ms": round(result.duration_ms, 3), "time": time.time()})
+        self.events.emit("turn_ended", event)
+
+    def take_abandon_note(self, task_key: str, turn_key: str, started_at: float) -> dict | None:
+        """Take (read and delete) the note another process left for the owner of the turn at these
+        names that began at `started_at` (see cgturn.outcomes); None when there is none (yet)."""
+        from . import outcomes
+
+        return outcomes.take_note(self.state_dir, task_key, turn_key, started_at)
 
     def spawn_keyed(self, rec: TurnRecord, argv, key: str, popen_kwargs: dict):
         """Spawn into `rec`'s turn unless a live process spawned with `key` in its task holds the key
@@ -580,6 +635,29 @@ def _sentinel_setting(value: bool | None) -> bool:
     if value is not None:
         return bool(value)
     return os.environ.get("CGTURN_SENTINEL", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+# Turns of one task whose graces run side by side in end_task (a thread each, while it runs).
+END_TASK_THREADS = 8
+
+
+def _map(fn, items: list, parallel: bool) -> list:
+    """[fn(item) for item in items], in up to END_TASK_THREADS threads when `parallel` and there are
+    several (each waits out its own grace: waiting side by side bounds the whole call by one grace)."""
+    if not parallel or len(items) < 2:
+        return [fn(item) for item in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(END_TASK_THREADS, len(items)), thread_name_prefix="cgturn-end") as pool:
+        return list(pool.map(fn, items))
+
+
+def _owner_may_read(rec: TurnRecord) -> bool:
+    """True when the turn's owner (pid + start time) still runs, or cannot be looked at."""
+    try:
+        return procfs.is_alive(rec.owner_pid or 0, rec.owner_start if rec.owner_start is not None else -1)
+    except AccessDenied:
+        return True
 
 
 def _valid(value: str) -> bool:

@@ -129,6 +129,36 @@ class AbandonResult:
     # What the turn used and which limits the kernel enforced (read before its cgroup was removed);
     # None when nothing was killed by this call.
     usage: "Usage | None" = None
+    # The pid of the process that carried out the kill (None: unknown, or nothing was done).
+    killed_by: int | None = None
+    # Turns `end_task` had to leave alone, and why: [{"turn": original id, "error": one line}].
+    refused: list[dict[str, str]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TurnEnded:
+    """The `turn_ended` listener event: a turn completed or was abandoned, by this process.
+
+    Emitted once the end is final: for a completion right after the state change, for an abandon once
+    the kill is done (`killed`, `signals`, `duration_ms` are the kill's figures; empty for a completion).
+    """
+
+    task_id: str
+    turn_id: str
+    task_key: str
+    turn_key: str
+    state: str
+    reason: str | None = None
+    killed: list[int] = field(default_factory=list)
+    killed_by: int | None = None
+    signals: list[str] = field(default_factory=list)
+    duration_ms: float = 0.0
+    usage: "Usage | None" = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(task_key, turn_key): the encoded directory names."""
+        return self.task_key, self.turn_key
 
 
 @dataclass(slots=True)

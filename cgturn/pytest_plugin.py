@@ -303,7 +303,7 @@ class LeakGuard:
                 self._inside.clear()
                 self._switch(None)
             self._test = None
-            self._mgr.end_task(self._task, reason=reasons.PYTEST_SESSION_END)
+            self._mgr.end_task(self._task, reason=reasons.PYTEST_SESSION_END, grace=0)
         finally:
             self._mgr.remove_root()
             self._mgr.close()

@@ -77,7 +77,24 @@ def recover(manager: "TurnManager") -> list[RecoveryAction]:
         backend.remove_task(task_key)  # refuses, harmlessly, while the task still has turns
     for path in backend.sweep_v1_dirs():
         actions.append(RecoveryAction(REMOVED_V1, "", "", path=path))
+    _sweep_notes(manager.state_dir)
     return actions
+
+
+def _sweep_notes(state_dir: str) -> None:
+    """Remove abandon notes (cgturn.outcomes) whose owner is gone: nobody will take them."""
+    from . import outcomes
+
+    def owner_lives(note: dict) -> bool:
+        pid, start = note.get("owner_pid"), note.get("owner_start")
+        if not isinstance(pid, int) or not isinstance(start, int):
+            return False
+        try:
+            return procfs.is_alive(pid, start)
+        except AccessDenied:
+            return True
+
+    outcomes.sweep(state_dir, owner_lives)
 
 
 def _task_of(backend, where: str) -> str:

@@ -202,8 +202,8 @@ class SentinelClient:
     def lease_set(self, rec) -> None:
         self._send({"op": "lease", "key": [rec.task_key, rec.turn_key], "expires_at": rec.expires_at}, block=True)
 
-    def turn_ended(self, task_key: str, turn_key: str) -> None:
-        self._send({"op": "unguard", "key": [task_key, turn_key]}, block=True)
+    def turn_ended(self, event) -> None:
+        self._send({"op": "unguard", "key": [event.task_key, event.turn_key]}, block=True)
         # Forget rate-limit stamps of long-idle turns, so the dict does not grow with every turn.
         horizon = time.monotonic() - 60
         self._last_touch = {k: v for k, v in self._last_touch.items() if v > horizon}

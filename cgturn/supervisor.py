@@ -26,12 +26,13 @@ import asyncio
 import dataclasses
 import inspect
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable
 
-from . import clocks, ids, reasons, sentinel
-from .model import RUNNING, AbandonResult
+from . import clocks, ids, reasons, sentinel, watchdog
+from .model import ABANDONED, COMPLETED, RUNNING, AbandonResult
 
 log = logging.getLogger("cgturn.supervisor")
 
@@ -47,6 +48,14 @@ REASON_CANCELLED = reasons.CANCELLED
 ACTIVITY_POLL = 0.1
 # How long run() waits for a cancelled coroutine worker to unwind after an abandon.
 CANCEL_WAIT = 1.0
+# How often the watchdog reads a supervised turn's state, to notice an abandon by another process
+# (`cgturn stop`, the sentinel, the guard) while the worker runs on: one record read (a getxattr on
+# cgroup v2) per turn and second.
+STATE_POLL = 1.0
+# How long an owner waits for another process's kill of its turn to finish (its note, see
+# cgturn.outcomes) while that killer runs; and, when the killer is unknown, at all.
+EXTERNAL_WAIT = 60.0
+UNKNOWN_KILLER_WAIT = 2.0
 
 
 class Run:
@@ -105,6 +114,15 @@ def abandon_disconnected(run: Run, grace: float = 2.0) -> AbandonResult | None:
 reap_disconnected = abandon_disconnected  # the name earlier versions and the contract use
 
 
+async def areap_disconnected(run: Run, grace: float = 2.0) -> AbandonResult | None:
+    """`abandon_disconnected` for asyncio: the kill and its grace run in a worker thread, so a process
+    that ignores SIGTERM never stalls the event loop. Returns as `abandon_disconnected`."""
+    return await asyncio.to_thread(abandon_disconnected, run, grace)
+
+
+aabandon_disconnected = areap_disconnected
+
+
 @dataclasses.dataclass
 class Outcome:
     """How a supervised turn ended. Exactly one of completed / abandoned (`reason` set) holds."""
@@ -115,6 +133,11 @@ class Outcome:
     abandon: AbandonResult | None = None
     error: BaseException | None = None
     interrupted: bool = False
+    # Abandoned by someone other than this supervisor (`cgturn stop`, end_task, the sentinel, the
+    # guard, another thread's Turn.abandon); `killed_by` is the pid of the process that killed it
+    # (None when unknown). `abandon` then holds that kill's figures.
+    external: bool = False
+    killed_by: int | None = None
     # What the turn used and which limits the kernel enforced on it (cgturn.Usage): read as the
     # worker finished, or by the abandon before the turn's cgroup was removed; None when unknown.
     usage: Any = None
@@ -168,11 +191,15 @@ class Supervisor:
         self._usage = None                        # read as the worker finished
         self._interrupted = False
         self._settled = threading.Event()        # the outcome is final (kill finished, or completed)
-        self._wake = threading.Event()           # wakes the watchdog early (finish, stop)
         self._fired: Callable[[], None] = lambda: None  # wakes an async run() from another thread
-        self._watchdog: threading.Thread | None = None
         self._sentinel = None
         self._paused = clocks.PausedTime()  # frozen time the clocks leave out (cgturn.clocks)
+        # An abandon by someone else: who (pid), and when its figures are known (`_abandon_result`).
+        self._external = False
+        self._killed_by: int | None = None
+        self._killer: tuple[int, int] | None = None  # pid + start time, to wait only while it runs
+        self._resolved = threading.Event()
+        self._gone_since: float | None = None
 
     def __repr__(self) -> str:
         state = "completed" if self._completed else (f"abandoned ({self._reason})" if self._reason else "running")
@@ -195,7 +222,7 @@ class Supervisor:
         if self._reason is not None:  # stopped before it started: the worker never runs
             if inspect.iscoroutine(worker):
                 worker.close()
-            await asyncio.to_thread(self._settled.wait)
+            await asyncio.to_thread(self._settle)
             return self._finish_run()
         if inspect.iscoroutinefunction(worker) or inspect.isawaitable(worker):
             coro = worker if inspect.isawaitable(worker) else worker(*args)
@@ -220,7 +247,7 @@ class Supervisor:
         if not task.done():
             task.cancel()  # abandoned: stop the coroutine too (a blocking callable cannot be stopped)
             await asyncio.wait({task}, timeout=CANCEL_WAIT)
-        await asyncio.to_thread(self._settled.wait)
+        await asyncio.to_thread(self._settle)
         return self._finish_run()
 
     def run_blocking(self, worker: Callable, *args) -> Outcome:
@@ -230,7 +257,7 @@ class Supervisor:
         self._start()
         if self._reason is None:
             self._wrap_blocking(worker, args)
-        self._settled.wait()
+        self._settle()
         return self._finish_run()
 
     async def _wrap_async(self, coro):
@@ -267,13 +294,14 @@ class Supervisor:
         self.turn.last_activity = max(self.turn.last_activity, self._started_at)
         if self.run_markers is not None:
             self.run_markers.mark(self.turn.task_id, self.turn, self)
+        _dispatcher(self.turn.manager).watch(self)
         if client is not None:
             self._sentinel = client
             client.guard(self.turn, deadline=self._deadline_at(), inactivity=self.timeout, grace=self.grace)
         if self.timeout is not None or self.deadline is not None:
             self._paused = clocks.PausedTime(self._frozen_total()[0])
-            self._watchdog = threading.Thread(target=self._watch, name="cgturn-watchdog", daemon=True)
-            self._watchdog.start()
+        self._next_poll = self._started_at + STATE_POLL
+        watchdog.shared().schedule(self, self._next_due(self._started_at))
 
     def _read_usage(self):
         try:
@@ -281,8 +309,15 @@ class Supervisor:
         except Exception:  # noqa: BLE001 - figures never decide an outcome
             return None
 
+    def _settle(self) -> None:
+        """Wait until the outcome is final; for an abandon by another process, until its figures
+        are known (its note), while that process is still killing."""
+        self._settled.wait()
+        if self._external:
+            self._await_external_figures()
+
     def _finish_run(self) -> Outcome:
-        self._wake.set()
+        _dispatcher(self.turn.manager).forget(self)
         if self.run_markers is not None:
             self.run_markers.clear()
         if self._sentinel is not None and not self._completed and self.turn.state == RUNNING:
@@ -291,13 +326,16 @@ class Supervisor:
         if self._completed:
             return Outcome(completed=True, result=self._result, usage=self._usage)
         usage = self._abandon_result.usage if self._abandon_result is not None else None
+        killed_by = self._abandon_result.killed_by if self._abandon_result is not None else None
         return Outcome(completed=False, reason=self._reason, abandon=self._abandon_result,
-                       error=self._error, interrupted=self._interrupted, usage=usage or self._usage)
+                       error=self._error, interrupted=self._interrupted, usage=usage or self._usage,
+                       external=self._external, killed_by=killed_by if killed_by is not None else self._killed_by)
 
     # --- the decision ---------------------------------------------------------------------------
 
     def _worker_done(self, result: Any, error: BaseException | None) -> None:
-        """The worker finished: clear markers and complete the turn in one locked step."""
+        """The worker finished: clear markers and complete the turn in one locked step. If someone
+        else abandoned the turn first, that outcome stands (with its reason, killer and kill)."""
         with self._lock:
             if self._reason is not None:
                 return  # abandoned first: this result is discarded
@@ -305,20 +343,87 @@ class Supervisor:
                 if self.run_markers is not None:
                     self.run_markers.clear()
                 self._usage = self._read_usage()  # completing may remove the turn, figures and all
-                if self.turn.complete():
-                    self._completed, self._result = True, result
-                    self._settled.set()
-                    self._wake.set()
-                    return
-                # Another process (sentinel, CLI) abandoned the turn first: that outcome stands.
-                rec = self.turn.record
-                self._reason = rec.reason or reasons.UNKNOWN
-                self._abandon_result = AbandonResult(skipped=True, reason=self._reason)
+                won = self.turn.complete()
+            else:
+                self._error, won = error, False
+            rec = None if won else self.turn.manager.backend.load(*self.turn.key)
+            if won or (error is None and rec is not None and rec.state == COMPLETED):
+                # Completed (by this call, or by another hand: Turn.complete): it stands.
+                self._completed, self._result = True, result
                 self._settled.set()
-                self._wake.set()
                 return
-            self._error = error
-        self.stop(REASON_ERROR, interrupt=False)
+        if rec is not None and rec.state == ABANDONED:
+            self._abandoned_elsewhere(rec.reason or reasons.UNKNOWN, rec)
+        elif rec is None:
+            # Gone already: the killer's note (written just after the removal) says who and why.
+            deadline = time.monotonic() + UNKNOWN_KILLER_WAIT
+            while (note := self._take_note()) is None and time.monotonic() < deadline and not self._resolved.is_set():
+                self._resolved.wait(0.005)
+            if note is not None:
+                self._abandoned_elsewhere(str(note.get("reason") or reasons.UNKNOWN), None,
+                                          _result_from_note(note, None))
+            else:
+                self._abandoned_elsewhere(reasons.UNKNOWN)
+        else:
+            self.stop(REASON_ERROR, interrupt=False)  # the worker raised: the turn is still ours to abandon
+
+    def _take_note(self) -> dict | None:
+        turn = self.turn
+        return turn.manager.take_abandon_note(*turn.key, turn.started_at)
+
+    def _abandoned_elsewhere(self, reason: str, rec=None, result: AbandonResult | None = None) -> None:
+        """Someone else abandoned the turn: that decision stands; fire `on_interrupt` with its reason.
+
+        `rec` is the turn's record as last read (its killer), `result` the kill's figures when this
+        process did the kill (a listener event); otherwise they come from the killer's note.
+        """
+        with self._lock:
+            if self._completed or self._reason is not None:
+                if result is not None and self._external and self._abandon_result is None:
+                    self._abandon_result = result  # the figures of the kill already noticed
+                    self._resolved.set()
+                return
+            self._reason, self._external = reason, True
+            if rec is not None and rec.killer_pid is not None:
+                self._killed_by = rec.killer_pid
+                if rec.killer_start is not None:
+                    self._killer = (rec.killer_pid, rec.killer_start)
+            if result is not None:
+                self._abandon_result, self._killed_by = result, result.killed_by
+                self._resolved.set()
+        try:
+            self._interrupt(reason)
+        finally:
+            self._settled.set()
+            self._fired()
+
+    def _await_external_figures(self) -> None:
+        """Wait for the note of the process that abandoned the turn (cgturn.outcomes), while it runs."""
+        from .kernel import procfs
+
+        started = time.monotonic()
+        while not self._resolved.is_set():
+            note = self._take_note()
+            if note is not None:
+                self._abandon_result = _result_from_note(note, self._reason)
+                return
+            if self._killer is not None and self._killer[0] == os.getpid():
+                bound = EXTERNAL_WAIT  # another thread of ours is killing: its listener event resolves it
+            elif self._killer is not None:
+                try:
+                    killer_runs = procfs.is_alive(*self._killer)
+                except Exception:  # noqa: BLE001 - cannot look: wait the full bound
+                    killer_runs = True
+                bound = EXTERNAL_WAIT if killer_runs else 0.0
+            else:
+                bound = UNKNOWN_KILLER_WAIT
+            if time.monotonic() - started >= bound:
+                break
+            self._resolved.wait(0.005)
+        if self._abandon_result is None:
+            # The killer left no note (it died, or it could not write one): what the record said.
+            self._abandon_result = AbandonResult(skipped=False, reason=self._reason or reasons.UNKNOWN,
+                                                 killed_by=self._killed_by)
 
     def stop(self, reason: str = REASON_STOP, grace: float | None = None, interrupt: bool = True) -> AbandonResult:
         """Abandon the supervised turn: the one abandon path for every cause. Thread-safe, idempotent.
@@ -341,10 +446,13 @@ class Supervisor:
             first = self._reason is None
             if first:
                 self._reason = reason
-        self._wake.set()
         if not first:
             self._settled.wait()
             return self._abandon_result or AbandonResult(skipped=True, reason=self._reason)
+        return self._carry_out(reason, grace, interrupt)
+
+    def _carry_out(self, reason: str, grace: float | None, interrupt: bool) -> AbandonResult:
+        """The decided abandon: the interrupt (unless fired already), then the one kill."""
         try:
             if interrupt:
                 self._interrupt(reason)
@@ -391,7 +499,7 @@ class Supervisor:
                 return AbandonResult(skipped=True, reason=reason)
         return self.turn.abandon(reason, grace=grace)
 
-    # --- the watchdog ---------------------------------------------------------------------------
+    # --- the watchdog (cgturn.watchdog: one thread for the process) -------------------------------
 
     def _deadline_at(self) -> float | None:
         return None if self.deadline is None else self._started_at + self.deadline
@@ -410,7 +518,8 @@ class Supervisor:
         return last
 
     def _due(self) -> tuple[float, str]:
-        options = []
+        """The nearest of the deadline and the inactivity timeout, with its reason (inf: neither)."""
+        options = [(float("inf"), "")]
         if self.deadline is not None:
             options.append((self._deadline_at() + self._paused.deadline, REASON_DEADLINE))
         if self.timeout is not None:
@@ -439,26 +548,110 @@ class Supervisor:
             due = max(due, now + clocks.FROZEN_RECHECK)
         return due, reason
 
-    def _watch(self) -> None:
-        """Daemon thread: abandon the turn when its deadline or inactivity timeout passes.
+    def _next_due(self, now: float) -> float:
+        due = min(self._due()[0], self._next_poll)
+        return min(due, now + ACTIVITY_POLL) if self.activity is not None else due
 
-        A thread, not a task on the event loop: it fires while the loop is blocked (time.sleep in a
-        coroutine, a CPU-bound callback; the GIL is handed over every sys.getswitchinterval()).
-        """
-        while True:
-            if self._settled.is_set() or self._reason is not None:
+    def on_due(self, now: float) -> float | None:
+        """Watchdog thread: notice an abandon by another process, fire a timeout or deadline that has
+        passed (the decision and `on_interrupt` here; the kill in the watchdog's kill pool); returns
+        the next time to look, or None when the outcome is decided."""
+        if self._reason is not None or self._completed:
+            return None
+        if now >= self._next_poll:
+            self._next_poll = now + STATE_POLL
+            self._poll_state()
+            if self._reason is not None:
+                return None
+        due, reason = self._due()
+        if not (reason and due <= now):
+            return self._next_due(now)
+        due, reason = self._due_after_pauses(now)  # the clocks stop while the turn is frozen
+        if due > now:
+            return min(due, self._next_poll)  # frozen meanwhile: pushed back, at least a recheck away
+        with self._lock:
+            if self._completed or self._reason is not None:
+                return None
+            self._reason = reason
+        self._interrupt(reason)
+        watchdog.shared().submit(self._carry_out, reason, None, False)
+        return None
+
+    def _poll_state(self) -> None:
+        """Notice an abandon by another process: the turn's record says abandoned, or it is gone."""
+        if self._reason is not None or self._completed:
+            return
+        turn = self.turn
+        try:
+            rec = turn.manager.backend.load(*turn.key)
+        except Exception:  # noqa: BLE001 - a failed read decides nothing
+            log.exception("cannot read the state of turn %r", turn.turn_id)
+            return
+        if rec is None:
+            # Removed: its killer writes the note right after the removal. Look again at the next
+            # polls rather than block the watchdog; after UNKNOWN_KILLER_WAIT decide without it.
+            note = self._take_note()
+            if note is not None:
+                self._abandoned_elsewhere(str(note.get("reason") or reasons.UNKNOWN), None,
+                                          _result_from_note(note, None))
                 return
-            due, reason = self._due()
             now = time.monotonic()
-            if due <= now:
-                due, reason = self._due_after_pauses(now)
-            if due <= now:
-                try:
-                    self.stop(reason)
-                except Exception:  # noqa: BLE001 - recorded on the outcome by stop()
-                    log.exception("watchdog could not abandon turn %r", self.turn.turn_id)
-                return
-            wait = due - now
-            if self.activity is not None:
-                wait = min(wait, ACTIVITY_POLL)
-            self._wake.wait(wait)
+            if self._gone_since is None:
+                self._gone_since = now
+            elif now - self._gone_since >= UNKNOWN_KILLER_WAIT:
+                self._abandoned_elsewhere(reasons.UNKNOWN)
+        elif rec.state == ABANDONED:
+            self._abandoned_elsewhere(rec.reason or reasons.UNKNOWN, rec)
+
+
+def _result_from_note(note: dict, reason: str | None) -> AbandonResult:
+    """The AbandonResult of another process's kill, from the note it left (cgturn.outcomes)."""
+    killed = [p for p in note.get("killed", []) if isinstance(p, int)]
+    signals = [s for s in note.get("signals", []) if isinstance(s, str)]
+    killed_by = note.get("killed_by")
+    duration = note.get("duration_ms")
+    return AbandonResult(killed=sorted(killed), skipped=False, reason=str(note.get("reason") or reason),
+                         signals=signals, duration_ms=float(duration) if isinstance(duration, (int, float)) else 0.0,
+                         killed_by=killed_by if isinstance(killed_by, int) else None)
+
+
+class _Dispatcher:
+    """The one listener per manager that routes `turn_ended` events to the supervisors of this
+    process (an abandon by another thread: Turn.abandon, end_task), in O(1) per event."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_key: dict[tuple[str, str], Supervisor] = {}
+
+    def watch(self, sup: Supervisor) -> None:
+        with self._lock:
+            self._by_key[sup.turn.key] = sup
+
+    def forget(self, sup: Supervisor) -> None:
+        with self._lock:
+            if self._by_key.get(sup.turn.key) is sup:
+                del self._by_key[sup.turn.key]
+
+    def turn_ended(self, event) -> None:
+        if event.state != ABANDONED:
+            return
+        with self._lock:
+            sup = self._by_key.get(event.key)
+        if sup is not None:
+            sup._abandoned_elsewhere(event.reason or reasons.UNKNOWN, None, AbandonResult(
+                killed=list(event.killed), skipped=False, reason=event.reason or reasons.UNKNOWN,
+                signals=list(event.signals), duration_ms=event.duration_ms, usage=event.usage,
+                killed_by=event.killed_by))
+
+
+_DISPATCH_LOCK = threading.Lock()
+
+
+def _dispatcher(manager) -> _Dispatcher:
+    with _DISPATCH_LOCK:
+        for listener in manager.listeners:
+            if isinstance(listener, _Dispatcher):
+                return listener
+        dispatcher = _Dispatcher()
+        manager.add_listener(dispatcher)
+        return dispatcher

@@ -42,6 +42,11 @@ class Turn:
         return self._record.turn_id
 
     @property
+    def started_at(self) -> float:
+        """When the turn began (wall clock, seconds since the epoch)."""
+        return self._record.started_at
+
+    @property
     def key(self) -> tuple[str, str]:
         """(task_key, turn_key): the encoded directory names (what CGTURN_TASK/CGTURN_TURN hold)."""
         return self._record.task_key, self._record.turn_key
@@ -230,6 +235,17 @@ class Turn:
             # The turn's record is removed with it; keep what we know so .state/.reason stay true.
             self._record = dataclasses.replace(self._record, state=ABANDONED, reason=reason)
         return result
+
+
+    async def aabandon(self, reason: str, grace: float = 2.0, force: bool = False) -> AbandonResult:
+        """`abandon` for asyncio: the kill (and its grace) runs in a worker thread, never on the loop.
+        Raises as `abandon`."""
+        import asyncio
+
+        if not grace >= 0:
+            raise ValueError("grace must be >= 0")
+        reasons.validate(reason)  # bad input raises here, in the caller's frame
+        return await asyncio.to_thread(self.abandon, reason, grace, force)
 
 
 def make_turn(manager: "TurnManager", record: TurnRecord) -> Turn:

@@ -382,6 +382,17 @@ def read_at(dir_fd: int | None, path: str) -> bytes:
 
 # --- cleanup and the table -------------------------------------------------------------------------
 
+def bench_root() -> str | None:
+    """A fresh managed-root path `<own cgroup2>/cgturn-bench-<random>` (not created), with SIGTERM made
+    a KeyboardInterrupt so the caller's cleanup runs; None (reported) without root or cgroup2."""
+    host = discover_host()
+    if host.cgroup2_mount is None or os.geteuid() != 0:
+        print("needs root and a cgroup2 mount", file=sys.stderr)
+        return None
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    return os.path.join(host.own_cgroup or host.cgroup2_mount, f"cgturn-bench-{uuid.uuid4().hex[:8]}")
+
+
 def destroy(root: str) -> None:
     """Kill whatever is left under the bench root (never holds this process) and remove it."""
     if not os.path.isdir(root):
@@ -455,12 +466,9 @@ def main() -> int:
     if args.quick:
         args.rounds, args.sizes, args.spawns, args.turns = 1, "1,10,100", 50, 100
     sizes = [int(s) for s in args.sizes.split(",")]
-    host = discover_host()
-    if host.cgroup2_mount is None or os.geteuid() != 0:
-        print("needs root and a cgroup2 mount", file=sys.stderr)
+    root = bench_root()
+    if root is None:
         return 1
-    root = os.path.join(host.own_cgroup or host.cgroup2_mount, f"cgturn-bench-{uuid.uuid4().hex[:8]}")
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as state:
         if args.spawn_only:

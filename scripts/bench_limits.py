@@ -17,19 +17,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
 import sys
 import tempfile
 import time
-import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from bench import cgturn_abandon, destroy, floor_abandon  # noqa: E402
+from bench import bench_root, cgturn_abandon, destroy, floor_abandon  # noqa: E402
 
-from cgturn import Limits, TurnManager, discover_host  # noqa: E402
+from cgturn import Limits, TurnManager  # noqa: E402
 from cgturn.kernel.cgroupfs import Cgroup  # noqa: E402
 
 LIMITS = Limits(memory_max=256 * 2 ** 20, pids_max=100, cpus=1.0)
@@ -74,12 +72,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=1.0, help="length of one churn round")
     ap.add_argument("--size", type=int, default=500, help="processes in the abandoned tree")
     args = ap.parse_args()
-    host = discover_host()
-    if host.cgroup2_mount is None or os.geteuid() != 0:
-        print("needs root and a cgroup2 mount", file=sys.stderr)
+    base = bench_root()
+    if base is None:
         return 1
-    base = os.path.join(host.own_cgroup or host.cgroup2_mount, f"cgturn-bench-{uuid.uuid4().hex[:8]}")
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     rates = {"limited": [], "plain": []}
     abandon = {"floor": [], "limited": []}
     started = time.monotonic()

@@ -226,7 +226,7 @@ def destroy_registry(mgr) -> None:
     scope = mgr.backend.scope
     for rec in mgr.backend.records():
         try:
-            mgr.end_task(rec.task_id)
+            mgr.end_task(rec.task_id, grace=0)
         except Exception:  # noqa: BLE001 - teardown must go on
             pass
     mgr.close()

@@ -55,7 +55,6 @@ def test_stop_abandons_a_running_turn_then_says_no_such_turn(cgroup2_root, state
     assert again.returncode == 1 and again.stderr.count("\n") == 1 and "no turn" in again.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="library: cgturn run exits 124 when another process abandons its turn")
 def test_run_stopped_by_someone_else_passes_the_commands_status_through(cgroup2_root, state_dir):
     """CONTRACT: when someone else abandons its turn, one stderr line names the reason and the status
     is the command's (128+N), not 124 (which means its own --timeout)."""

@@ -16,12 +16,14 @@ PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 ORDER = ("leaves", "kernel", "backends", "ownership", "supervision", "faces")
 LAYERS = {
     "leaves": ("cgturn.model", "cgturn.ids", "cgturn.errors", "cgturn.reasons", "cgturn.audit",
-               "cgturn.statefiles", "cgturn.limits", "cgturn.clocks", "cgturn.leases", "cgturn.identity"),
+               "cgturn.statefiles", "cgturn.limits", "cgturn.clocks", "cgturn.leases", "cgturn.identity",
+               "cgturn.outcomes"),
     "kernel": ("cgturn.kernel", "cgturn._spawn"),  # _spawn: the C extension (clone3 into a cgroup)
     "backends": ("cgturn.backends",),
     "ownership": ("cgturn.manager", "cgturn.turn", "cgturn.killing", "cgturn.recovery", "cgturn.listing",
                   "cgturn.host", "cgturn.processes", "cgturn.admission", "cgturn.keys"),
-    "supervision": ("cgturn.supervisor", "cgturn.sentinel", "cgturn.sentinel_main", "cgturn.guard"),
+    "supervision": ("cgturn.supervisor", "cgturn.watchdog", "cgturn.sentinel", "cgturn.sentinel_main",
+                    "cgturn.guard"),
     "faces": ("cgturn.cli", "cgturn.pytest_plugin", "cgturn.metrics", "cgturn.__main__"),
 }
 # What a face may import from the package besides its own modules: the package itself (whose names

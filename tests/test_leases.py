@@ -131,5 +131,5 @@ def test_manager_wide_default_lease(manager, monkeypatch):
     monkeypatch.delenv("CGTURN_LEASE")
     with pytest.raises(ValueError):
         TurnManager(**kw, lease=-1)
-    manager.end_task("default")
+    manager.end_task("default", grace=0)
     assert survivor.wait(timeout=10) == other_survivor.wait(timeout=10) == -signal.SIGKILL

@@ -51,7 +51,7 @@ def test_predating_other_task_and_completed_survivors_stay_alive(manager, bystan
     assert victim.wait(timeout=10) == -signal.SIGKILL
     assert before.poll() is None and keeper.poll() is None and survivor.poll() is None
     other.abandon("cleanup", grace=0)
-    manager.end_task("mine")
+    manager.end_task("mine", grace=0)
     assert keeper.wait(timeout=10) == survivor.wait(timeout=10) == -signal.SIGKILL
 
 
@@ -167,9 +167,9 @@ def test_end_task_kills_survivors_and_removes_every_turn(manager, bystanders):
     worker = running.spawn(SLEEP)
     keeper_turn = manager.begin_turn("other-job")
     keeper = keeper_turn.spawn(SLEEP)
-    result = manager.end_task("job")
-    assert {survivor.pid, worker.pid} <= set(result.killed)
-    assert survivor.wait(timeout=10) == worker.wait(timeout=10) == -signal.SIGKILL  # end_task has no grace
+    result = manager.end_task("job", grace=0)
+    assert {survivor.pid, worker.pid} <= set(result.killed) and result.refused == []
+    assert survivor.wait(timeout=10) == worker.wait(timeout=10) == -signal.SIGKILL  # grace=0: no SIGTERM
     assert manager.turns("job") == []
     assert outside.poll() is None and keeper.poll() is None
     keeper_turn.abandon("cleanup", grace=0)

@@ -136,7 +136,7 @@ def test_a_completed_turns_survivor_can_be_paused(manager):
     assert silent_for(ticker.stdout.fileno(), QUIET)
     turn.thaw()
     assert ticks_again(ticker.stdout.fileno())
-    manager.end_task("pause")
+    manager.end_task("pause", grace=0)
     assert ticker.wait(timeout=10) == -signal.SIGKILL
 
 

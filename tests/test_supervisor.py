@@ -103,7 +103,7 @@ def test_completion_timeout_race(manager):
         assert proc.poll() is None
     # abandoned turns and completed empty ones are gone; exactly the turns with a survivor remain
     assert {i.turn for i in manager.turns("race")} == set(survivors)
-    manager.end_task("race")
+    manager.end_task("race", grace=0)
     for proc in survivors.values():
         assert proc.wait(timeout=10) == -signal.SIGKILL
 

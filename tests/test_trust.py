@@ -143,7 +143,7 @@ def _kill_by(how, mgr, turn, state_dir):
         result = turn.abandon("test", grace=0)
         assert result.skipped is False
         return
-    args = {"stop": ("stop", "X", "t", "--grace", "0"), "end": ("end", "X"), "reap": ("reap", "--json")}[how]
+    args = {"stop": ("stop", "X", "t", "--grace", "0"), "end": ("end", "X", "--grace", "0"), "reap": ("reap", "--json")}[how]
     proc = cgturn(mgr.root, state_dir, *args)
     assert proc.returncode == 0, proc.stderr
     if how == "reap":

@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from .. import reasons
 from ..errors import CgroupUnavailable, CgturnError, NoSuchTurn, PermissionDenied, TurnExists, UnsafeOperation
 
 EXIT_OK = 0
@@ -67,6 +68,15 @@ def id_arg(what: str):
         from .. import ids
         return ids.validate(text, what)
     return library_arg(validate, f"{what} id")
+
+
+def reason_arg(text: str) -> str:
+    """An argparse `type`: blank, NUL, undecodable (argv bytes that are not UTF-8) or over-long reasons
+    are usage errors (exit 2), refused before anything is touched."""
+    try:
+        return reasons.validate(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def non_negative_seconds(text: str) -> float:

@@ -7,7 +7,9 @@ when `cgturn run` itself cannot start CMD: no sentinel could be started (CMD wou
 against our death; CGTURN_SENTINEL=0 runs it without one), a limit cannot be enforced here
 (`LimitsUnavailable`), isolation was refused (`IsolationUnavailable`: a namespace the kernel
 refuses, a missing util-linux helper), the turn could not be made or joined, or
-`--admit-timeout` ran out under pressure (`Overloaded`). Never 1: that is CMD's own.
+`--admit-timeout` ran out under pressure (`Overloaded`). Never 1: that is CMD's own. When another
+process abandoned the turn (`cgturn stop`, `cgturn end`, the sentinel, the guard), one stderr line names
+its reason and the killer's pid, and the status is CMD's (128+N when it died of signal N), not 124.
 
 When the kernel enforced a limit on the turn (an OOM kill, a refused fork) one stderr line says so
 (`... hit its memory limit ...`, `... hit its pids limit ...`); the status stays CMD's.
@@ -18,6 +20,7 @@ import argparse
 import os
 import select
 import signal
+import subprocess
 import sys
 
 from .. import reasons
@@ -30,6 +33,9 @@ EXIT_CANNOT_START = 125
 EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# After another process abandoned the turn and finished its kill, CMD is dead: this bounds the wait
+# only for a killer that died midway.
+EXTERNAL_KILL_WAIT = 30.0
 
 
 def register(sub) -> None:
@@ -81,14 +87,14 @@ def run(args) -> int:
         # moment (a SIGKILLed `cgturn run` must not leave CMD running). Without a sentinel that
         # promise cannot be kept: refuse to start CMD rather than run it unguarded.
         try:
-            attach_sentinel(manager)
+            client = attach_sentinel(manager)
             turn = manager.begin_turn(args.task, args.turn, limits=limits, admit_timeout=args.admit_timeout,
                                       seal=args.seal, network=args.network)
         except TurnExists:
             raise  # bad input (exit 2), not a failure to start
         except CgturnError as err:  # SentinelUnavailable, LimitsUnavailable, ...: CMD never started
             return _cannot_start(cmd, err)
-        return _supervise(turn, cmd, args, limits)
+        return _supervise(turn, cmd, args, limits, sentinel_pid=client.pid if client is not None else None)
     finally:
         manager.close()
 
@@ -107,7 +113,7 @@ def _cannot_start(cmd: list[str], err: CgturnError) -> int:
     return EXIT_CANNOT_START
 
 
-def _supervise(turn, cmd: list[str], args, limits) -> int:
+def _supervise(turn, cmd: list[str], args, limits, sentinel_pid: int | None = None) -> int:
     """Run CMD in the turn under a Supervisor; report limit hits; map its outcome to the exit status.
 
     `--timeout` is the supervisor's inactivity timeout with no activity source, i.e. wall-clock time
@@ -151,6 +157,12 @@ def _supervise(turn, cmd: list[str], args, limits) -> int:
         if outcome.completed or outcome.reason == reasons.REAP_ON_EXIT:
             code = outcome.result if outcome.completed else proc.returncode
             return code if code >= 0 else 128 - code
+        # Our own sentinel holding our --timeout is not "someone else" (exit 124 below).
+        own_timeout = outcome.killed_by == sentinel_pid and outcome.reason in (reasons.TIMEOUT, reasons.DEADLINE)
+        if outcome.external and not own_timeout:
+            who = f"process {outcome.killed_by}" if outcome.killed_by is not None else "another process"
+            print(f"cgturn: the turn was abandoned by {who}: reason {outcome.reason!r}", file=sys.stderr)
+            return _status(proc)
         if outcome.reason and outcome.reason.startswith(reasons.SIGNAL_PREFIX):
             return 128 + signal.Signals[outcome.reason.removeprefix(reasons.SIGNAL_PREFIX)]
         if outcome.error is not None:
@@ -163,6 +175,17 @@ def _supervise(turn, cmd: list[str], args, limits) -> int:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         os.close(wake_r)
         os.close(wake_w)
+
+
+def _status(proc) -> int:
+    """CMD's exit status as a shell reports it (128+N for signal N), once it has been killed."""
+    try:
+        code = proc.wait(timeout=EXTERNAL_KILL_WAIT)
+    except subprocess.TimeoutExpired:
+        # The killer died before CMD did, and nobody finished its kill yet: CMD is our own child.
+        proc.kill()
+        code = proc.wait()
+    return code if code >= 0 else 128 - code
 
 
 def _worker(sup, turn, proc, wake_fd: int, received: list[int], reap_on_exit: bool) -> int | None:

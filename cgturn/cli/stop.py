@@ -5,7 +5,6 @@ unless `--force`. Refused (exit 1) when the turn contains this process.
 """
 from __future__ import annotations
 
-import argparse
 
 from .. import reasons
 from . import common
@@ -18,22 +17,13 @@ def register(sub) -> None:
     p = sub.add_parser("stop", help="abandon one turn: SIGTERM, grace, SIGKILL; print what was killed")
     p.add_argument("task", type=common.id_arg("task"), metavar="TASK")
     p.add_argument("turn", type=common.id_arg("turn"), metavar="TURN")
-    p.add_argument("--reason", default=DEFAULT_REASON, type=_reason,
+    p.add_argument("--reason", default=DEFAULT_REASON, type=common.reason_arg,
                    help=f"reason recorded in the audit log (default {DEFAULT_REASON!r})")
     p.add_argument("--grace", type=common.non_negative_seconds, default=DEFAULT_GRACE,
                    help=f"seconds between SIGTERM and SIGKILL (default {DEFAULT_GRACE:g}; 0 = SIGKILL at once)")
     p.add_argument("--force", action="store_true", help="also kill a completed turn's survivors")
     common.add_json_option(p)
     p.set_defaults(handler=run)
-
-
-def _reason(text: str) -> str:
-    """An argparse `type`: blank, NUL, undecodable (argv bytes that are not UTF-8) or over-long reasons
-    are usage errors (exit 2), refused before anything is touched."""
-    try:
-        return reasons.validate(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def run(args) -> int:
