@@ -505,8 +505,8 @@ def parse_message(data: bytes) -> dict:
         raise ValueError(f"bad key {key!r:.80}")
     out = {"op": msg["op"], "key": tuple(key)}
     if msg["op"] == "guard":
-        for field in ("task", "turn"):
-            out[field] = ids.validate(msg.get(field), field)
+        for name in ("task", "turn"):
+            out[name] = ids.validate(msg.get(name), name)
         if [ids.encode(out["task"]), ids.encode(out["turn"])] != key:
             raise ValueError("key does not match the ids")
         out["deadline"] = _number(msg, "deadline", optional=True)

