@@ -20,7 +20,7 @@ LAYERS = {
                "cgturn.outcomes"),
     "kernel": ("cgturn.kernel", "cgturn._spawn"),  # _spawn: the C extension (clone3 into a cgroup)
     "backends": ("cgturn.backends",),
-    "ownership": ("cgturn.manager", "cgturn.turn", "cgturn.killing", "cgturn.recovery", "cgturn.listing",
+    "ownership": ("cgturn.manager", "cgturn.governance", "cgturn.turn", "cgturn.killing", "cgturn.recovery", "cgturn.listing",
                   "cgturn.host", "cgturn.processes", "cgturn.admission", "cgturn.keys"),
     "supervision": ("cgturn.supervisor", "cgturn.watchdog", "cgturn.sentinel", "cgturn.sentinel_main",
                     "cgturn.guard"),

@@ -25,7 +25,8 @@ def _audit(manager, turn_id):
 
 
 def test_watchdog_fires_while_the_event_loop_is_blocked(manager):
-    """A coroutine blocking the loop in a blocking wait: processes dead within timeout + grace + 1 s."""
+    """A coroutine blocking the loop in a blocking wait: processes dead within timeout + grace + 5 s,
+    well before the 10 s the loop stays blocked (a loaded machine delays the kill, not the decision)."""
     turn = manager.begin_turn("gw", "blocked")
     turn.spawn(DAEMON)
     pids = _pids(turn, 2)
@@ -35,7 +36,7 @@ def test_watchdog_fires_while_the_event_loop_is_blocked(manager):
 
     def monitor(started):
         dead_in_time.append(wait_until(lambda: not any(alive(p) for p in pids),
-                                       timeout=started + timeout + grace + 1 - time.monotonic()))
+                                       timeout=started + timeout + grace + 5 - time.monotonic()))
         unblock.set()
 
     async def worker():
