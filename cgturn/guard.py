@@ -11,6 +11,10 @@ to watch the pressure fall (twice per window).
 One guard per managed root: the first to arm it owns it (cgturn.backends.guard_state: xattr
 `user.cgturn.guard` on the managed root, claimed under the root's flock, owner = pid + start time);
 its state (`over`, `since`) is what admission in any process reads. See docs/guard.md.
+
+Why one module of ~430 lines: arming, choosing the heaviest turn, and the hold times (thaw after,
+abandon after) are one state machine driven by one trigger; the PSI files are kernel/psi.py and
+the claim on the managed root backends/guard_state.py.
 """
 from __future__ import annotations
 

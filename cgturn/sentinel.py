@@ -31,8 +31,9 @@ owner's channel is closed.
 
 This module is both the owner-side client (`attach`, `SentinelClient`) and the process (`main`).
 
-Why one module of ~500 lines: the client and the process speak one message protocol (guard, touch,
-unguard, ready), kept side by side so that neither can drift from the other.
+Why one module of ~630 lines: the client and the process speak one message protocol (guard, touch,
+unguard, lease, ready), kept side by side so that neither can drift from the other; the pressure
+guard it may run is cgturn/guard.py.
 """
 from __future__ import annotations
 

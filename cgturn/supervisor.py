@@ -17,8 +17,9 @@ sentinel, the CLI). The interrupt fires even when the kill is skipped.
 The sentinel (cgturn.sentinel) holds the same deadlines outside the process, for an owner that is
 stopped, wedged or dead.
 
-Why one module of ~420 lines: the decision (`stop`, `_worker_done`) and the two ways of running a
-worker share one lock and one outcome; split, the race rules would have to be read across files.
+Why one module of ~650 lines: the decision (`stop`, `_worker_done`, an abandon noticed from outside)
+and the ways of running a worker share one lock and one outcome; split, the race rules would have to
+be read across files. The deadline heap is cgturn/watchdog.py.
 """
 from __future__ import annotations
 

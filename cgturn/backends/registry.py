@@ -22,7 +22,7 @@ of turn processes reparent to it instead of to PID 1, and a daemon thread reaps 
 attributed to this registry by their environment while they were alive. It never calls
 waitpid(-1) and never waits for a process this backend spawned (a Popen owns that exit status).
 
-Why one module of ~440 lines: membership (the /proc snapshot), freezing and killing are one
+Why one module of ~470 lines: membership (the /proc snapshot), freezing and killing are one
 algorithm over the same snapshot; the database and the orphan reaper are modules of their own.
 """
 from __future__ import annotations
