@@ -9,6 +9,7 @@ injective; names that would be too long keep a readable prefix and end in `~` pl
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -58,6 +59,7 @@ def validate_text(value: object, what: str, max_bytes: int) -> str:
     return value
 
 
+@functools.lru_cache(maxsize=4096)  # a record's ids are encoded at every read that verifies it
 def encode(value: str) -> str:
     """Map a valid id to its directory name (see module doc). Pure; the caller validates first."""
     raw = value.encode("utf-8")

@@ -126,18 +126,25 @@ class Layout:
 
     def v1_dirs(self, *names: str) -> dict[str, str]:
         """controller -> the v1 directory of the managed root (no names), a task, or a turn."""
-        return {name: os.path.join(place.path, *names) for name, place in self.places().items()
-                if place.version == V1}
+        suffix = "".join("/" + name for name in names)  # on every turn's path: no os.path.join
+        return {name: place.path + suffix for name, place in self.places().items() if place.version == V1}
 
     def make_v1_dirs(self, *names: str) -> None:
         """Make the v1 directories of the root, and of the task and turn named, as needed."""
         for path in self.v1_dirs(*names).values():
             # Every component below the caller's own v1 cgroup is cgturn's: the root's mirror, the
-            # task's, the turn's. The caller's own cgroup itself exists.
+            # task's, the turn's. The caller's own cgroup itself exists. Usually only the last one is
+            # missing: try it first, walk up only when its parent is missing too.
             missing = []
-            while not os.path.isdir(path):
-                missing.append(path)
-                path = os.path.dirname(path)
+            while True:
+                try:
+                    Cgroup(path).make()
+                    break
+                except FileExistsError:
+                    break
+                except FileNotFoundError:
+                    missing.append(path)
+                    path = os.path.dirname(path)
             for directory in reversed(missing):
                 Cgroup(directory).create()
 
@@ -148,7 +155,9 @@ class Layout:
         go too, once empty (another managed root below them keeps them)."""
         ok = True
         for controller, path in self.v1_dirs(*names).items():
-            ok = Cgroup(path).remove_tree(timeout=2.0) and ok
+            cg = Cgroup(path)
+            # A v1 directory has children only if a turn process made some: one rmdir first.
+            ok = (cg.remove_if_empty() or cg.remove_tree(timeout=2.0)) and ok
             base = self.places()[controller].base
             if names or not ok or base is None:
                 continue
