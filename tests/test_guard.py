@@ -451,7 +451,8 @@ def test_memory_guard_freezes_the_thrashing_turn_then_thaws_it(cgroup2_root, sta
     with the same limit holds 48 MiB of its own and sleeps — more resident memory than the readers, far
     less charged to its cgroup. The guard watches the managed root (its memory.pressure aggregates the
     turns'), freezes the turn using the most memory, shows in ps, and thaws it after the hold."""
-    guard = PressureGuard(resource="memory", trigger=MEMORY_TRIGGER, watch="root", thaw_after=1.0,
+    # thaw_after outlasts the `cgturn ps` below, which must see the hog frozen.
+    guard = PressureGuard(resource="memory", trigger=MEMORY_TRIGGER, watch="root", thaw_after=5.0,
                           abandon_after=600)
     with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, guard=guard) as mgr:
         if "memory" not in mgr.backend.limits_report()["available"]:
