@@ -19,7 +19,7 @@ import uuid
 import pytest
 
 from conftest import PY, audit_records, cgturn_argv, cgturn_env, destroy_cgroup_tree, need_cgroup2, wait_until
-from cgturn import GuardUnavailable, Overloaded, PressureGuard, TurnManager
+from cgturn import GuardUnavailable, Limits, Overloaded, PressureGuard, TurnManager
 from cgturn.backends import guard_state
 from cgturn.guard import heaviest, resolve_watch
 from cgturn.kernel import parsers, procfs, psi
@@ -404,3 +404,79 @@ def test_cgturn_guard_in_the_foreground_freezes_and_thaws_on_sigterm(cgroup2_roo
             guard.kill()
             guard.wait()
         plain.close()
+
+
+# --- the guard under real memory pressure ------------------------------------------------------------
+
+MiB = 1 << 20
+THRASH_FILE = 512 * MiB
+THRASH_LIMIT = 128 * MiB   # a quarter of the file: every pass re-reads it from disk through reclaim
+QUIET_HELD = 48 * MiB
+# Page-cache thrash measured here stalled one reader ~90 ms per second (`some`, in memory.pressure of the
+# turn and of the managed root, avg10 ~6 %): act at 2.5 % of a 2 s window, with 2 readers for margin.
+MEMORY_TRIGGER = "some 50000 2000000"
+# Re-read the file, uncached (O_DIRECT would bypass the page cache, and with it the limit's reclaim).
+THRASH = f"""
+import os, sys, time
+end = time.monotonic() + {BUSY_SECONDS}
+fd = os.open(sys.argv[1], os.O_RDONLY)
+os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+while time.monotonic() < end:
+    while os.read(fd, 1 << 20):
+        pass
+    os.lseek(fd, 0, os.SEEK_SET)
+"""
+HOLD = f"import time\nheld = b'x' * {QUIET_HELD}\ntime.sleep({BUSY_SECONDS})"
+
+
+@pytest.fixture
+def thrash_file(tmp_path):
+    """A 512 MiB file on disk, written and dropped from the page cache (so that reading it charges the
+    reader's memory cgroup), removed at teardown."""
+    path = tmp_path / "thrash.bin"
+    block = b"\xa5" * MiB
+    with open(path, "wb") as f:
+        for _ in range(THRASH_FILE // MiB):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    yield str(path)
+    path.unlink()
+
+
+def test_memory_guard_freezes_the_thrashing_turn_then_thaws_it(cgroup2_root, state_dir, thrash_file):
+    """Memory pressure made on purpose, bounded: a turn with a 128 MiB memory limit re-reads a 512 MiB
+    file (page-cache thrash: reclaim stalls, no OOM; there is no swap to fill). Beside it a quiet turn
+    with the same limit holds 48 MiB of its own and sleeps — more resident memory than the readers, far
+    less charged to its cgroup. The guard watches the managed root (its memory.pressure aggregates the
+    turns'), freezes the turn using the most memory, shows in ps, and thaws it after the hold."""
+    # thaw_after outlasts the `cgturn ps` below, which must see the hog frozen.
+    guard = PressureGuard(resource="memory", trigger=MEMORY_TRIGGER, watch="root", thaw_after=5.0,
+                          abandon_after=600)
+    with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, guard=guard) as mgr:
+        if "memory" not in mgr.backend.limits_report()["available"]:
+            pytest.skip(f"no memory limit here: {mgr.backend.limits_report()}")
+        limit = Limits(memory_max=THRASH_LIMIT)
+        quiet = mgr.begin_turn("t", "quiet", limits=limit)
+        holder = quiet.spawn([PY, "-c", HOLD])
+        assert wait_until(lambda: (procfs.rss_bytes(holder.pid) or 0) > QUIET_HELD, timeout=DEADLINE)
+        hog = mgr.begin_turn("t", "hog", limits=limit)
+        for _ in range(2):
+            hog.spawn([PY, "-c", THRASH, thrash_file])
+        assert wait_until(lambda: hog.record.frozen_by == "guard", timeout=DEADLINE)
+        assert quiet.record.frozen_by is None
+        state = guard_state.live(mgr.backend)
+        assert (state["over"], state["resource"]) == (True, "memory")
+        assert state["file"] == os.path.join(cgroup2_root, "memory.pressure")
+        rows = {r["turn"]: r for r in _ps(cgroup2_root, state_dir)}
+        assert (rows["hog"]["frozen"], rows["quiet"]["frozen"]) == (True, False)
+        hog_memory = rows["hog"]["pressure"]["memory"]
+        assert hog_memory["some_avg10"] > 0 and hog_memory["some_total_usec"] > 0, hog_memory
+        assert rows["quiet"]["pressure"]["memory"]["some_total_usec"] == 0
+        assert rows["hog"]["oom_kills"] == 0  # reclaim stalled it; nothing was OOM-killed
+        assert wait_until(lambda: any(r.get("action") == "thaw" and r["reason"] == "guard"
+                                      for r in audit_records(state_dir, "hog")), timeout=DEADLINE)
+        assert hog.record.state == "running" and quiet.record.frozen_by is None
+        hog.abandon("test-done", grace=0)
+        quiet.abandon("test-done", grace=0)

@@ -424,8 +424,14 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
         return True
 
     def views(self, task_key=None) -> list[TurnView]:
-        """One pass over the tree (see cgroup2_views)."""
-        return cgroup2_views.views(self.root, self.meta, task_key)
+        """One pass over the tree (see cgroup2_views). A turn without v2 memory.current but with a v1
+        memory directory (a hybrid host, a turn with limits) gets its v1 memory.usage_in_bytes: what the
+        kernel charges it, page cache included, as memory.current would be (ps, the memory guard)."""
+        out = cgroup2_views.views(self.root, self.meta, task_key)
+        for view in out:
+            if view.memory_bytes is None and view.record.v1_dirs:
+                view.memory_bytes = self.layout.v1_memory_bytes(view.record.task_key, view.record.turn_key)
+        return out
 
     def usage(self, record, pids):
         return cgroup2_views.UsageReader().read(None, self._cg(record).path)

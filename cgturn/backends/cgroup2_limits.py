@@ -222,6 +222,12 @@ class Layout:
     def store_limits(cg: Cgroup, limits: Limits) -> None:
         cg.set_xattr(LIMITS_KEY, json.dumps(limits.to_stored()).encode())
 
+    def v1_memory_bytes(self, *names: str) -> int | None:
+        """memory.usage_in_bytes of the v1 memory directory of the turn named (None: memory is not in
+        v1 here, or the directory is gone). Page cache counts, as it does in v2's memory.current."""
+        path = self.v1_dirs(*names).get("memory")
+        return None if path is None else controllers.read_int(f"{path}/memory.usage_in_bytes")
+
     def usage(self, v2_dir: str, *names: str) -> Usage:
         """What the cgroup at `v2_dir` (with the v1 directories named, where it has them) used."""
         return controllers.read_usage(v2_dir, self.places(), self.v1_dirs(*names))

@@ -197,10 +197,10 @@ def read_usage(v2_dir: str, places: dict[str, Place], v1_dirs: dict[str, str]) -
     memory = places.get("memory")
     if memory is not None and memory.version == V2:
         usage.oom_kills = _flat(f"{v2_dir}/memory.events").get("oom_kill", 0)
-        usage.memory_peak_bytes = _int(f"{v2_dir}/memory.peak")
+        usage.memory_peak_bytes = read_int(f"{v2_dir}/memory.peak")
     elif memory is not None and "memory" in v1_dirs:
         usage.oom_kills = _flat(f"{v1_dirs['memory']}/memory.oom_control").get("oom_kill", 0)
-        usage.memory_peak_bytes = _int(f"{v1_dirs['memory']}/memory.max_usage_in_bytes")
+        usage.memory_peak_bytes = read_int(f"{v1_dirs['memory']}/memory.max_usage_in_bytes")
     pids = places.get("pids")
     pids_dir = v2_dir if pids is not None and pids.version == V2 else v1_dirs.get("pids")
     if pids is not None and pids_dir is not None:
@@ -220,7 +220,8 @@ def _flat(path: str) -> dict[str, int]:
         return {}
 
 
-def _int(path: str) -> int | None:
+def read_int(path: str) -> int | None:
+    """The integer a one-number cgroup file holds; None when absent or unreadable."""
     try:
         return int(read_text(path).strip())
     except (OSError, ValueError):
