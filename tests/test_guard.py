@@ -275,7 +275,7 @@ def _guarded(root, state_dir, gateway, **kw):
 
 
 def test_guard_freezes_the_hog_then_thaws_it(cgroup2_root, state_dir, gateway):
-    with _guarded(cgroup2_root, state_dir, gateway, thaw_after=1.0, abandon_after=600) as mgr:
+    with _guarded(cgroup2_root, state_dir, gateway, thaw_after=5.0, abandon_after=600) as mgr:
         quiet = mgr.begin_turn("t", "quiet")
         quiet.spawn(["sleep", str(BUSY_SECONDS)])
         hog = _hog(mgr)
