@@ -184,6 +184,7 @@ class Supervisor:
         self._use_sentinel = use_sentinel
         self._lock = threading.Lock()
         self._started_at: float | None = None
+        self._worker_begun = False
         self._completed = False
         self._result: Any = None
         self._error: BaseException | None = None
@@ -219,7 +220,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         fired = asyncio.Event()
         self._fired = lambda: loop.call_soon_threadsafe(fired.set)
-        self._start()
+        self._begin_worker()
         if self._reason is not None:  # stopped before it started: the worker never runs
             if inspect.iscoroutine(worker):
                 worker.close()
@@ -255,7 +256,7 @@ class Supervisor:
         """Run `worker(*args)` in the calling thread (plain threads, no event loop); the watchdog
         thread abandons the turn on time while it runs. Returns when the worker has returned and
         the outcome is final; `on_interrupt` is how the worker learns to return early."""
-        self._start()
+        self._begin_worker()
         if self._reason is None:
             self._wrap_blocking(worker, args)
         self._settle()
@@ -283,9 +284,21 @@ class Supervisor:
         self._worker_done(result, None)
         return result
 
-    def _start(self) -> None:
-        if self._started_at is not None:
+    def start(self) -> None:
+        """Start the clocks (the watchdog, and the sentinel's copy of the deadlines) now, before the
+        worker runs: for a caller that starts the turn's first process itself, so that the deadlines
+        hold from that moment even if the caller is stopped before it calls `run`."""
+        if self._started_at is None:
+            self._start()
+
+    def _begin_worker(self) -> None:
+        if self._worker_begun:
             raise RuntimeError("a Supervisor runs one worker once")
+        self._worker_begun = True
+        if self._started_at is None:
+            self._start()
+
+    def _start(self) -> None:
         # Attached before the clocks start: the first attach waits for the sentinel to report ready
         # (an interpreter start), which must not count as the worker's time.
         client = sentinel.attach(self.turn.manager) if self._use_sentinel else None

@@ -406,3 +406,25 @@ def test_a_forked_child_closes_its_copies_of_its_parents_gates(mgr):
     shim.wait(timeout=10)
     spawn_gates.sweep()
     assert spawn_gates._pending == []
+
+
+def test_a_stopped_holder_of_the_turn_lock_does_not_stop_an_abandon(mgr):
+    """A spawner stopped while it holds the turn's shared lock (the native spawn path takes one across
+    its state check and clone) must not hold off an abandon: the sentinel exists for stopped owners."""
+    turn = mgr.begin_turn("locked", "t")
+    sleeper = turn.spawn(["sleep", "300"])
+    holder = subprocess.Popen([PY, "-c", textwrap.dedent(f"""
+        import fcntl, os, sys
+        fd = os.open({turn_dir(mgr, turn)!r}, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        print("locked", flush=True)
+        os.kill(os.getpid(), 19)  # SIGSTOP, holding the lock
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        assert wait_until(lambda: procfs.stat(holder.pid).state == "T")
+        result = turn.abandon("stop", grace=0)
+        assert result.killed == [sleeper.pid] and sleeper.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        holder.kill()
+        holder.wait()

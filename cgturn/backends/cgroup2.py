@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from .gates import SpawnGates
 
 log = logging.getLogger("cgturn")
+# How long a state change waits for the turn's lock before going on without it (seconds).
+TRANSITION_LOCK_WAIT = 2.0
 
 # `$0` is the gate (the path of a pipe's read end); $1-$3 the turn's CGTURN_TASK, CGTURN_TURN and
 # CGTURN_SCOPE; the rest the program and its arguments. Anything but "go" (EOF when the parent gave up
@@ -206,7 +208,9 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
 
     def transition(self, task_key, turn_key, allowed_from: Iterable[str], to_state, updates, when=None):
         cg = self.turn_cgroup(task_key, turn_key)
-        with cg.lock() as present:
+        # Bounded: a spawner stopped while it holds the turn's shared lock (spawn_paths) must not
+        # stop an abandon, least of all the sentinel's, which exists for stopped owners.
+        with cg.lock(timeout=TRANSITION_LOCK_WAIT) as present:
             if not present:
                 return False, None
             rec = self.meta.load(cg)

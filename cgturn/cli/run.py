@@ -130,6 +130,9 @@ def _supervise(turn, cmd: list[str], args, limits, sentinel_pid: int | None = No
     previous_fd = signal.set_wakeup_fd(wake_w)
     try:
         sup = Supervisor(turn, timeout=timeout, grace=grace, on_interrupt=lambda _reason: _poke(wake_w))
+        # The clocks run from before CMD starts: a `cgturn run` stopped right after the spawn still
+        # loses its turn on time (the sentinel holds the deadlines it was given here).
+        sup.start()
         try:
             proc = turn.spawn(cmd, key=args.key, user=args.user, group=args.group, extra_groups=args.extra_groups)
         except AlreadyRunning as err:
@@ -158,7 +161,10 @@ def _supervise(turn, cmd: list[str], args, limits, sentinel_pid: int | None = No
             code = outcome.result if outcome.completed else proc.returncode
             return code if code >= 0 else 128 - code
         # Our own sentinel holding our --timeout is not "someone else" (exit 124 below).
-        own_timeout = outcome.killed_by == sentinel_pid and outcome.reason in (reasons.TIMEOUT, reasons.DEADLINE)
+        # When the killer cannot be told (its note not found in time under load), a timeout while we
+        # have one is ours.
+        own_timeout = (outcome.reason in (reasons.TIMEOUT, reasons.DEADLINE) and args.timeout is not None
+                       and outcome.killed_by in (sentinel_pid, None))
         if outcome.external and not own_timeout:
             who = f"process {outcome.killed_by}" if outcome.killed_by is not None else "another process"
             print(f"cgturn: the turn was abandoned by {who}: reason {outcome.reason!r}", file=sys.stderr)

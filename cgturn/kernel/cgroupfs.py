@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import select
 import time
@@ -23,6 +24,8 @@ from .cgroupfiles import (  # noqa: F401 - re-exported: the file layer's one imp
 # or the write is refused (EINVAL seen under some managers, EOPNOTSUPP for threaded cgroups).
 KILL_UNSUPPORTED_ERRNOS = frozenset({errno.ENOENT, errno.EINVAL, errno.EOPNOTSUPP})
 
+
+log = logging.getLogger("cgturn")
 
 class KillUnsupported(Exception):
     """cgroup.kill is missing or refused for this cgroup; the caller falls back to freeze + kill."""
@@ -300,10 +303,12 @@ class Cgroup:
                 raise
 
     @contextlib.contextmanager
-    def lock(self):
+    def lock(self, timeout: float | None = None):
         """Hold an exclusive flock(2) on the cgroup directory (works on cgroupfs).
 
-        Yields False, holding nothing, when the directory is gone.
+        Yields False, holding nothing, when the directory is gone. With `timeout`, a holder that keeps
+        the lock longer than that (a process stopped or wedged while holding it) is not waited for:
+        the body runs unlocked, and the holder is logged.
         """
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -311,7 +316,11 @@ class Cgroup:
             yield False
             return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            if timeout is None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            elif not _flock_within(fd, timeout):
+                log.warning("%s stayed locked for %.1f s (its holder is stopped or wedged): going on without it",
+                            self.path, timeout)
             yield True
         finally:
             os.close(fd)
@@ -322,3 +331,18 @@ class Cgroup:
             return os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except (FileNotFoundError, NotADirectoryError):
             return None
+
+
+def _flock_within(fd: int, timeout: float) -> bool:
+    """flock(LOCK_EX) on `fd`, waiting at most `timeout` seconds; True if it was taken."""
+    deadline = time.monotonic() + timeout
+    delay = 0.0005
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(delay)  # flock has no timed wait; the holder normally keeps it for microseconds
+            delay = min(delay * 2, 0.02)
