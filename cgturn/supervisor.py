@@ -33,6 +33,7 @@ import time
 from typing import Any, Callable
 
 from . import clocks, ids, reasons, sentinel, watchdog
+from .errors import NoSuchTurn
 from .model import ABANDONED, COMPLETED, RUNNING, AbandonResult
 
 log = logging.getLogger("cgturn.supervisor")
@@ -177,6 +178,10 @@ class Supervisor:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
         if not grace >= 0:
             raise ValueError(f"grace must be >= 0, got {grace!r}")
+        state = turn.state
+        if state != RUNNING:
+            raise NoSuchTurn(f"turn {turn.turn_id!r} of task {turn.task_id!r} is {state}: only a running "
+                             "turn can be supervised")
         self.turn = turn
         self.timeout, self.deadline, self.grace = timeout, deadline, grace
         self.on_interrupt, self.activity, self.is_still_current, self.run_markers = (

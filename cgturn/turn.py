@@ -67,6 +67,17 @@ class Turn:
     def state(self) -> str:
         return self.record.state
 
+    def __enter__(self) -> "Turn":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """`with mgr.begin_turn(...) as turn:` completes the turn when the block ends normally and
+        abandons it (reason `error`, no grace) when it raises; a turn already ended is left alone."""
+        if exc_type is None:
+            self.complete()
+        else:
+            self.abandon(reasons.ERROR, grace=0)
+
     def __repr__(self) -> str:
         rec = self.record
         return f"<Turn {rec.task_id!r}/{rec.turn_id!r} {rec.state} on {self._manager.backend.name}>"

@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from cgturn import ABANDONED, RUNNING, NoSuchTurn, TurnExists
+from cgturn import ABANDONED, RUNNING, NoSuchTurn, Supervisor, TurnExists
 from conftest import PY, alive, wait_until
 
 SLEEP = ["sleep", "300"]
@@ -291,3 +291,28 @@ def test_spawns_racing_an_abandon_leave_nothing_running(manager):
     assert not errors and refused.is_set()
     for p in started:
         assert p.wait(timeout=15) == -signal.SIGKILL
+
+
+def test_a_turn_as_a_context_manager_completes_or_abandons(manager):
+    with manager.begin_turn("ctx", "ok") as turn:
+        survivor = turn.spawn(SLEEP)
+    assert turn.state == "completed" and alive(survivor.pid)
+    with pytest.raises(RuntimeError, match="worker failed"):
+        with manager.begin_turn("ctx", "failed") as failed:
+            victim = failed.spawn(SLEEP)
+            raise RuntimeError("worker failed")
+    assert failed.state == "abandoned" and failed.record.reason == "error"
+    assert victim.wait(timeout=10) == -signal.SIGKILL
+    manager.end_task("ctx", grace=0)
+    assert survivor.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_a_supervisor_is_refused_on_a_turn_that_is_not_running(manager):
+    turn = manager.begin_turn("sup", "done")
+    turn.complete()
+    with pytest.raises(NoSuchTurn, match="only a running turn"):
+        Supervisor(turn, timeout=1)
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        with manager.begin_turn("sup", "bad") as bad:  # the block's error abandons the new turn
+            Supervisor(bad, timeout=-1)
+    assert bad.state == "abandoned"

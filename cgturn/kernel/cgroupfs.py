@@ -11,6 +11,7 @@ import fcntl
 import logging
 import os
 import select
+import threading
 import time
 
 from ..errors import translate
@@ -334,15 +335,26 @@ class Cgroup:
 
 
 def _flock_within(fd: int, timeout: float) -> bool:
-    """flock(LOCK_EX) on `fd`, waiting at most `timeout` seconds; True if it was taken."""
-    deadline = time.monotonic() + timeout
-    delay = 0.0005
-    while True:
+    """flock(LOCK_EX) on `fd`, waiting at most `timeout` seconds; True if it was taken.
+
+    The wait is a blocking flock in a helper thread on a dup of `fd` (flock has no timed form, and a
+    polling LOCK_NB loop starves behind a stream of shared holders). A lock taken after the timeout
+    is released when both fds are closed: the caller's at the end of its block, the helper's at once.
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        pass
+    waiter = os.dup(fd)
+    taken = threading.Event()
+
+    def wait() -> None:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(delay)  # flock has no timed wait; the holder normally keeps it for microseconds
-            delay = min(delay * 2, 0.02)
+            fcntl.flock(waiter, fcntl.LOCK_EX)
+            taken.set()
+        finally:
+            os.close(waiter)
+
+    threading.Thread(target=wait, name="cgturn-flock", daemon=True).start()
+    return taken.wait(timeout)
