@@ -12,7 +12,7 @@ import time
 from . import ids, keys, leases, reasons
 from .errors import AlreadyRunning, NoSuchTurn, UnsafeOperation
 from .kernel import procfs
-from .limits import Limits, Usage
+from .limits import Limits, Usage, stored_limits
 from .model import COMPLETED, CORRUPT, RUNNING, AbandonResult, TurnRecord
 
 log = logging.getLogger("cgturn")
@@ -79,7 +79,7 @@ class GovernanceMixin:
         won, before = self._note_limit_counters(rec, usage)
         if not won or before is None:
             return []
-        limits = _turn_limits_of(before)
+        limits = stored_limits(before.limits)
         out = []
         for reason, now, seen, limit in ((reasons.OOM, usage.oom_kills, before.audited_oom_kills, limits.memory_max),
                                          (reasons.PIDS_MAX, usage.pids_max_hits, before.audited_pids_max_hits,
@@ -200,10 +200,3 @@ class GovernanceMixin:
             self.check_limits(task_key, turn_key, usage)
         except Exception:  # noqa: BLE001 - the audit of a limit must not stop a kill
             log.exception("could not audit the limit events of turn %r of task %r", turn_key, task_key)
-
-
-def _turn_limits_of(rec: TurnRecord) -> Limits:
-    """The limits set on a turn itself, from its record."""
-    from .backends.cgroup2_limits import turn_limits
-
-    return turn_limits(rec)

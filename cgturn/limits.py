@@ -10,6 +10,7 @@ unlimited: removes a limit). None means "not set" at creation and "unchanged" in
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -133,6 +134,17 @@ class Limits:
     def to_stored(self) -> dict:
         """Only the fields that are set, "max" kept (what a turn's record holds)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
+def stored_limits(text: str | None) -> Limits:
+    """Limits stored as JSON text (a turn record's `limits`, `Limits.to_stored()`); empty when there
+    are none or they cannot be read."""
+    if not text:
+        return Limits()
+    try:
+        return Limits.from_json(json.loads(text))
+    except (ValueError, TypeError, AttributeError):
+        return Limits()
 
 
 def _check(name: str, value, minimum: int) -> None:

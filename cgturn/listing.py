@@ -8,7 +8,7 @@ import logging
 
 from . import keys
 from .backends.base import Backend
-from .backends.cgroup2_limits import turn_limits
+from .limits import stored_limits
 from .model import TurnInfo
 
 log = logging.getLogger("cgturn")
@@ -45,7 +45,7 @@ def list_turns(backend: Backend, task_key: str | None = None, detail: bool = Fal
         if rec.keys:
             info.keys = keys.live(rec.keys)
         if rec.limits:
-            info.limits = turn_limits(rec)
+            info.limits = stored_limits(rec.limits)
         if detail or rec.limits or rec.v1_dirs:
             info.usage = backend.turn_usage(rec)
         if detail:

@@ -166,9 +166,9 @@ class Turn:
 
     def limits(self) -> "Limits":
         """The limits set on the turn itself (its task's and the root's apply too)."""
-        from .backends.cgroup2_limits import turn_limits
+        from .limits import stored_limits
 
-        return turn_limits(self.record)
+        return stored_limits(self.record.limits)
 
     def usage(self) -> "Usage":
         """What the turn used and which limits the kernel enforced on it: OOM kills, pids-limit hits,

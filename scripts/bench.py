@@ -241,6 +241,15 @@ def escaper_rows(root_mgr: TurnManager, state_root: str) -> dict[str, tuple[int,
 
 # --- spawn cost, churn, listing --------------------------------------------------------------------
 
+def time_spawn(start) -> tuple[float, float]:
+    """(seconds until `start()` returned, seconds until the process it started has exited)."""
+    t0 = time.perf_counter()
+    p = start()
+    t1 = time.perf_counter()
+    p.wait()
+    return t1 - t0, time.perf_counter() - t0
+
+
 def spawn_rows(root_mgr: TurnManager, state_root: str, count: int) -> dict[str, float]:
     """Median ms per call (start to return) and per start+exit.
 
@@ -272,13 +281,9 @@ def spawn_rows(root_mgr: TurnManager, state_root: str, count: int) -> dict[str, 
         cycles = {k: [] for k in calls}
 
         def measure(name, start):
-            t0 = time.perf_counter()
-            p = start()
-            t1 = time.perf_counter()
-            p.wait()
-            t2 = time.perf_counter()
-            calls[name].append(t1 - t0)
-            cycles[name].append(t2 - t0)
+            call, cycle = time_spawn(start)
+            calls[name].append(call)
+            cycles[name].append(cycle)
 
         for _ in range(count):
             for name in rng.sample(list(methods), len(methods)):

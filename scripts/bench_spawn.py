@@ -15,14 +15,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from bench import churn, destroy  # noqa: E402
+from bench import churn, destroy, time_spawn  # noqa: E402
 
 from cgturn import TurnManager, discover_host  # noqa: E402
 from cgturn.backends import spawn_paths  # noqa: E402
@@ -51,13 +50,9 @@ def spawn_rows(mgr: TurnManager, count: int) -> dict[str, tuple[float, float]]:
         for name in rng.sample(list(methods), len(methods)):
             prepare, start = methods[name]
             prepare()
-            t0 = time.perf_counter()
-            p = start()
-            t1 = time.perf_counter()
-            p.wait()
-            t2 = time.perf_counter()
-            calls[name].append(t1 - t0)
-            cycles[name].append(t2 - t0)
+            call, cycle = time_spawn(start)
+            calls[name].append(call)
+            cycles[name].append(cycle)
     turn.abandon("bench", grace=0)
     return {k: (statistics.median(calls[k]) * 1e3, statistics.median(cycles[k]) * 1e3) for k in methods}
 

@@ -13,10 +13,9 @@ import os
 
 from ..errors import KernelError, LimitsUnavailable, NoSuchTurn
 from ..kernel.cgroupfs import Cgroup, child_entries
-from ..limits import Limits, Usage
+from ..limits import Limits, Usage, stored_limits
 from ..model import CORRUPT, TurnRecord
 from . import cgroup2_views
-from .cgroup2_limits import turn_limits
 
 log = logging.getLogger("cgturn")
 FREEZE_TIMEOUT = 1.0
@@ -40,7 +39,7 @@ class GovernanceMixin:
 
     def set_turn_limits(self, record: TurnRecord, limits: Limits) -> TurnRecord:
         layout = self.layout
-        merged = turn_limits(record).merged(limits)
+        merged = stored_limits(record.limits).merged(limits)
         layout.check(merged)
         cg = self._cg(record)
         if layout.uses_v1(merged) and not record.v1_dirs:
@@ -88,7 +87,7 @@ class GovernanceMixin:
         return self.layout.stored_limits(self.root)
 
     def unthrottle(self, record: TurnRecord) -> None:
-        if turn_limits(record).cpus is None:
+        if stored_limits(record.limits).cpus is None:
             return
         try:
             self.layout.apply(Limits(cpus="max"), self._cg(record).path, record.task_key, record.turn_key)

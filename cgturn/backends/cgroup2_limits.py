@@ -232,12 +232,3 @@ class Layout:
         """What the cgroup at `v2_dir` (with the v1 directories named, where it has them) used."""
         return controllers.read_usage(v2_dir, self.places(), self.v1_dirs(*names))
 
-
-def turn_limits(record) -> Limits:
-    """The limits set on a turn itself, from its record (empty when none or unreadable)."""
-    if not record.limits:
-        return Limits()
-    try:
-        return Limits.from_json(json.loads(record.limits))
-    except (ValueError, TypeError, AttributeError):
-        return Limits()

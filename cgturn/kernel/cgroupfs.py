@@ -252,25 +252,16 @@ class Cgroup:
         """
         deadline = time.monotonic() + timeout
         delay = 0.0005
-        while True:
-            try:
-                os.rmdir(self.path)
-                return True
-            except FileNotFoundError:
-                return True
-            except OSError as err:
-                if err.errno == errno.EINTR:
-                    continue
-                if err.errno not in (errno.EBUSY, errno.ENOTEMPTY):
-                    raise translate("rmdir", self.path, err) from err
-                if time.monotonic() >= deadline:
-                    return False
-                # Wait for the kernel's asynchronous update instead of a blind sleep when we can.
-                if self.populated() and err.errno == errno.EBUSY:
-                    self.wait_unpopulated(min(delay * 4, max(0.0, deadline - time.monotonic())))
-                else:
-                    time.sleep(delay)
-                delay = min(delay * 2, 0.05)
+        while not self.remove_if_empty():  # EINTR is retried by Python itself (PEP 475)
+            if time.monotonic() >= deadline:
+                return False
+            # Wait for the kernel's asynchronous update instead of a blind sleep when we can.
+            if self.populated():
+                self.wait_unpopulated(min(delay * 4, max(0.0, deadline - time.monotonic())))
+            else:
+                time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return True
 
     def remove_tree(self, timeout: float = 2.0) -> bool:
         """rmdir this cgroup and every descendant, children first. True when all are gone."""
