@@ -11,6 +11,8 @@ from .errors import NoSuchTurn
 from .model import ABANDONED, COMPLETED, RUNNING, AbandonResult, TurnRecord
 
 if TYPE_CHECKING:
+    import asyncio
+
     from .limits import Limits, Usage
     from .manager import TurnManager
 
@@ -122,8 +124,41 @@ class Turn:
         """
         # The backend checks that the turn is still running, at the moment that makes it race-free.
         if key is not None:
-            return self._manager.spawn_keyed(self._record, argv, key, popen_kwargs)
-        return self._manager.backend.spawn(self._record, argv, popen_kwargs)
+            proc = self._manager.spawn_keyed(self._record, argv, key, popen_kwargs)
+        else:
+            proc = self._manager.backend.spawn(self._record, argv, popen_kwargs)
+        proc.args = argv  # Popen's own rule: what the caller passed, not a shim's command line
+        return proc
+
+    async def create_subprocess_exec(self, program, *args, stdin=None, stdout=None, stderr=None,
+                                     limit: int = 2 ** 16, key: str | None = None, until_exit: bool = True,
+                                     **kwds) -> "asyncio.subprocess.Process":
+        """`asyncio.create_subprocess_exec` in the turn: the process is in the turn before the program
+        runs (as `spawn`, which starts it, on the loop thread as asyncio does: well under a millisecond).
+
+        Its exit is watched through a pidfd on the loop, with no thread per child. `until_exit`: the
+        pipes end when the command exits; what it wrote is delivered and `wait()`, `communicate()` and
+        `async for line in proc.stdout` finish, even while a server it left running holds the pipes
+        (whose later output is read and dropped). `until_exit=False` reads to end-of-file, as asyncio.
+        `key`, the refused options and the errors are `spawn`'s; text mode and bufsize as asyncio's.
+        """
+        return await self._create_process((program, *args), False, stdin, stdout, stderr, limit, key,
+                                          until_exit, kwds)
+
+    async def create_subprocess_shell(self, cmd, stdin=None, stdout=None, stderr=None, limit: int = 2 ** 16,
+                                      key: str | None = None, until_exit: bool = True,
+                                      **kwds) -> "asyncio.subprocess.Process":
+        """`asyncio.create_subprocess_shell` in the turn (`/bin/sh -c cmd`); as `create_subprocess_exec`."""
+        return await self._create_process(cmd, True, stdin, stdout, stderr, limit, key, until_exit, kwds)
+
+    async def _create_process(self, args, shell, stdin, stdout, stderr, limit, key, until_exit, kwds):
+        from .kernel.aioprocess import create_process
+
+        def start(argv, **popen_kwargs):
+            return self.spawn(argv, key=key, **popen_kwargs)
+
+        return await create_process(start, list(args) if not shell else args, shell=shell, stdin=stdin,
+                                    stdout=stdout, stderr=stderr, limit=limit, until_exit=until_exit, **kwds)
 
     def adopt(self, pid: int) -> None:
         """Move an existing process into the turn (its future children follow it).
