@@ -81,8 +81,9 @@ class Cgroup:
     def write(self, name: str, data: str) -> None:
         """Write `data` to an interface file in one write(2), as the kernel expects.
 
-        Raises FileNotFoundError when the cgroup is gone (callers decide what that means), else the
-        translated cgturn error with path and data.
+        Raises FileNotFoundError when the cgroup is gone (callers decide what that means), also when
+        it is removed between the open and the write (ENODEV), else the translated cgturn error with
+        path and data.
         """
         path = self.file(name)
         try:
@@ -94,6 +95,8 @@ class Cgroup:
         try:
             os.write(fd, data.encode())
         except OSError as err:
+            if err.errno == errno.ENODEV:
+                raise FileNotFoundError(errno.ENODEV, "cgroup removed", path) from err
             raise translate("write", path, err, data) from err
         finally:
             os.close(fd)
