@@ -114,6 +114,18 @@ class TurnManager(GovernanceMixin):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    async def __aenter__(self) -> "TurnManager":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """`close` for asyncio (it waits up to 2 s for an idle sentinel to exit): in a worker thread."""
+        import asyncio
+
+        await asyncio.to_thread(self.close)
+
     def close(self) -> None:
         """Stop observers (the sentinel channel closes), release the backend's threads and files.
         Turns are left as they are: running turns stay guarded by the sentinel while it lives."""
@@ -212,6 +224,12 @@ class TurnManager(GovernanceMixin):
         if task_id is not None and not _valid(task_id):
             return []
         return listing.list_turns(self.backend, None if task_id is None else ids.encode(task_id), detail)
+
+    async def aturns(self, task_id: str | None = None, *, detail: bool = False) -> list[TurnInfo]:
+        """`turns` for asyncio (a listing of thousands of turns takes tens of ms): in a worker thread."""
+        import asyncio
+
+        return await asyncio.to_thread(self.turns, task_id, detail=detail)
 
     def create_root(self) -> bool:
         """Create the managed root now (the first turn would); True if this call created it."""
@@ -316,6 +334,12 @@ class TurnManager(GovernanceMixin):
         return recovery.recover(self)
 
     reap = recover  # the name `cgturn reap` and earlier versions use
+
+    async def arecover(self) -> list:
+        """`recover` for asyncio (it may kill turns, each with its grace): in a worker thread."""
+        import asyncio
+
+        return await asyncio.to_thread(self.recover)
 
     def strays(self) -> list[tuple[str, int]]:
         """(cgroup, pid) of processes in the managed root or a task directory, in no turn: they

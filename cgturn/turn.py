@@ -97,6 +97,12 @@ class Turn:
         """
         return self._manager.backend.wait_empty(self._record, timeout)
 
+    async def await_empty(self, timeout: float) -> bool:
+        """`wait_empty` for asyncio: the wait runs in a worker thread, never on the loop."""
+        import asyncio
+
+        return await asyncio.to_thread(self.wait_empty, timeout)
+
     def pids(self) -> list[int]:
         """Pids of the turn's live processes."""
         return sorted(pid for pid, _ in self._manager.backend.members(self._record))

@@ -189,3 +189,53 @@ def test_popen_args_are_what_the_caller_passed(turn, shell):
     proc = turn.spawn(argv, shell=shell, stdout=subprocess.DEVNULL)
     proc.wait()
     assert proc.args == argv
+
+
+async def ticks_during(awaitable):
+    """(its result, how often a 10 ms ticker ran while it was awaited): > 0 when the loop stayed free."""
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    task = asyncio.create_task(ticker())
+    try:
+        result = await awaitable
+        return result, ticks
+    finally:
+        task.cancel()
+
+
+def test_await_empty_waits_off_the_loop(turn):
+    async def main():
+        await turn.create_subprocess_exec("sleep", "0.3")
+        return await ticks_during(turn.await_empty(30))
+
+    emptied, ticks = run(main())
+    assert emptied is True and turn.pids() == []
+    assert ticks > 0
+
+
+def test_the_manager_as_an_async_context_manager(cgroup2_root, state_dir):
+    closed = []
+
+    class Listener:
+        def manager_closed(self):
+            closed.append(True)
+
+    async def main():
+        async with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir) as mgr:
+            mgr.add_listener(Listener())
+            turn = await mgr.abegin_turn("aio-manager")
+            listed = await mgr.aturns("aio-manager")
+            recovered = await mgr.arecover()
+            turn.complete()
+        return turn, listed, recovered
+
+    turn, listed, recovered = run(main())
+    assert [(info.task, info.turn, info.state) for info in listed] == [("aio-manager", turn.turn_id, "running")]
+    assert recovered == []  # its owner (this process) lives: nothing to recover
+    assert closed == [True]
