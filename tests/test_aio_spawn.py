@@ -62,10 +62,10 @@ def test_the_process_is_in_its_turn_from_its_first_act(turn):
 def test_pipes_end_when_the_command_exits_while_its_server_keeps_them(turn, tmp_path):
     """The README's gateway case: the command backgrounds a server that holds stdout. communicate()
     returns at the command's exit with all the command wrote (more than a pipe holds); the server
-    keeps running, and its later output (a megabyte: it would block on a full pipe, or die of
-    SIGPIPE on a closed one) is drained until it finishes."""
+    keeps running, and its later output (a megabyte, written after the loop that started it is gone:
+    it would block on a full pipe, or die of SIGPIPE on a closed one) is drained until it finishes."""
     done = tmp_path / "server-wrote-everything"
-    script = (f"(sleep 0.3; head -c 1048576 /dev/zero; touch {done}; exec sleep 300) & "
+    script = (f"(sleep 0.3; head -c 1048576 /dev/zero && touch {done}; exec sleep 300) & "
               "head -c 200000 /dev/zero | tr '\\0' x; echo $! >&2")
 
     async def main():

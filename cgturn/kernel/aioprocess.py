@@ -13,8 +13,9 @@ Two things differ from `asyncio.create_subprocess_exec`, both on purpose:
   `wait()`, `communicate()` and `async for line in proc.stdout` would last as long as the server.
   Here, once the command has exited, what it wrote is delivered (the bytes in the pipe at that moment),
   the streams see end-of-file and `wait()` returns. The survivors keep their ends: what they write
-  later is read and dropped until they close it, so they never block on a full pipe nor die of
-  SIGPIPE; their stdin (a pipe) is closed, as asyncio closes it after `communicate(input)`.
+  later is read and dropped until they close it (by one `cgturn-drain` thread per process, which
+  outlives the loop), so they never block on a full pipe nor die of SIGPIPE; their stdin (a pipe) is
+  closed, as asyncio closes it after `communicate(input)`.
 
 The transport is asyncio's own `BaseSubprocessTransport` with `_start` and exit handling replaced;
 its pipes, protocol and `Process` are asyncio's.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import select
 import struct
 import subprocess
 import termios
@@ -118,12 +120,14 @@ class TurnSubprocessTransport(base_subprocess.BaseSubprocessTransport):
             if fd == 0:  # the command is gone: what is still buffered for it would never be read
                 pipe.abort()
                 continue
-            data = _read_available(pipe.get_extra_info("pipe"))
+            fileno = pipe.get_extra_info("pipe").fileno()
+            data = _read_available(fileno)
             if data:
                 self._pipe_data_received(fd, data)
-            pipe.set_protocol(_Discard())  # the pipe transport closes itself at end-of-file
-            proto.pipe = _Closed()
-            proto.connection_lost(None)
+            # Our read end stays open, on a copy, until the survivors close theirs; asyncio's own
+            # transport then closes as at end-of-file, and the reader sees the end after the data.
+            _drainer.add(os.dup(fileno))
+            pipe.close()
 
 
 def _reap(pid: int) -> int | None:
@@ -135,10 +139,9 @@ def _reap(pid: int) -> int | None:
     return os.waitstatus_to_exitcode(status) if done else None
 
 
-def _read_available(pipe: Any) -> bytes:
+def _read_available(fd: int) -> bytes:
     """The bytes in the pipe right now, without waiting for more (a survivor may keep writing)."""
     try:
-        fd = pipe.fileno()
         (count,) = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, struct.pack("i", 0)))
         chunks = []
         while count > 0:
@@ -148,25 +151,39 @@ def _read_available(pipe: Any) -> bytes:
             chunks.append(chunk)
             count -= len(chunk)
         return b"".join(chunks)
-    except (OSError, ValueError):  # closed meanwhile: what there was has been delivered
-        return b""
+    except BlockingIOError:
+        return b"".join(chunks)
 
 
-class _Discard(asyncio.Protocol):
-    """Reads the survivors' later output and drops it."""
+class _Drainer:
+    """One daemon thread per process that reads and drops what survivors write to pipes whose command
+    has exited, until they close them. A thread rather than the loop: the survivors outlive the loop
+    that started their command (`asyncio.run` per request, a gateway restarting its loop)."""
 
-    def data_received(self, data: bytes) -> None:
-        pass
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._epoll: select.epoll | None = None
 
-    def eof_received(self) -> bool:
-        return False
+    def add(self, fd: int) -> None:
+        with self._lock:
+            if self._epoll is None:
+                self._epoll = select.epoll()
+                threading.Thread(target=self._run, args=(self._epoll,), name="cgturn-drain", daemon=True).start()
+            self._epoll.register(fd, select.EPOLLIN)  # hang-up (every writer gone) is always reported
+
+    @staticmethod
+    def _run(epoll: select.epoll) -> None:
+        while True:
+            for fd, _ in epoll.poll():
+                try:
+                    if os.read(fd, 65536):
+                        continue
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                epoll.unregister(fd)
+                os.close(fd)
 
 
-class _Closed:
-    """Stands for a pipe the transport no longer owns: its close() must not close the survivors' pipe."""
-
-    def close(self) -> None:
-        pass
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
+_drainer = _Drainer()
