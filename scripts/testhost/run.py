@@ -29,6 +29,9 @@ import image  # noqa: E402  (this directory's module, not a package)
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB_STARTED = b"cgturn-testhost: job started"
+# The testhost tests, and the asyncio spawn's on the guest's newer Python (3.13): it builds on
+# asyncio's subprocess transport, whose internals change between Python versions.
+DEFAULT_TESTS = ["-v", "tests/testhost", "tests/test_aio_spawn.py"]
 # A working KVM guest reaches the job in seconds; a broken one (e.g. a paravirtual /dev/kvm on which
 # QEMU aborts on an MSR or the guest hits emulation failures) must not cost more than this.
 KVM_BOOT_LIMIT = 25.0
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rebuild", action="store_true", help="build the image even if a cached one exists")
     p.add_argument("--memory", type=int, default=2048, help="guest memory, MiB")
     p.add_argument("--cpus", type=int, default=min(2, os.cpu_count() or 1))
-    p.add_argument("pytest_args", nargs="*", help="after --: pytest arguments (default: tests/testhost)")
+    p.add_argument("pytest_args", nargs="*", help="after --: pytest arguments (default: tests/testhost tests/test_aio_spawn.py)")
     args = p.parse_args(argv)
 
     t0 = time.monotonic()
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.build_only:
         return 0
 
-    pytest_args = [] if args.no_tests else (args.pytest_args or ["-v", "tests/testhost"])
+    pytest_args = [] if args.no_tests else (args.pytest_args or DEFAULT_TESTS)
     if args.no_tests and not args.bench:
         log("nothing to run (--no-tests without --bench)")
         return 2
