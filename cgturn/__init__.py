@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     "TurnManager": "manager", "Turn": "turn",
-    "AbandonResult": "model", "TurnInfo": "model", "RUNNING": "model", "COMPLETED": "model",
+    "AbandonResult": "model", "TurnInfo": "model", "Port": "model", "TurnEnded": "model", "RUNNING": "model", "COMPLETED": "model",
     "ABANDONED": "model", "CORRUPT": "model",
     "CgturnError": "errors", "CgroupUnavailable": "errors", "PermissionDenied": "errors", "TurnExists": "errors",
     "NoSuchTurn": "errors", "UnsafeOperation": "errors", "KernelError": "errors", "NoSuchProcess": "errors",
@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .limits import Limits, Usage
     from .host import HostInfo, choose_backend, discover_host, doctor_report
     from .manager import TurnManager
-    from .model import ABANDONED, COMPLETED, CORRUPT, RUNNING, AbandonResult, TurnInfo
+    from .model import ABANDONED, COMPLETED, CORRUPT, RUNNING, AbandonResult, Port, TurnEnded, TurnInfo
     from .processes import ProcessInfo
     from .recovery import RecoveryAction
     from .sentinel import attach_sentinel

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .limits import Limits, Usage
@@ -161,6 +162,22 @@ class TurnEnded:
         return self.task_key, self.turn_key
 
 
+@dataclass(frozen=True, slots=True, order=True)
+class Port:
+    """A listening socket of a turn: a listening TCP socket or a bound, unconnected UDP socket.
+
+    Ordered (proto, address, port), as `TurnInfo.ports` lists them.
+    """
+
+    proto: str  # "tcp" or "udp"
+    address: str  # as the kernel reports it: "127.0.0.1", "::", "0.0.0.0"
+    port: int
+
+    def to_json(self) -> dict[str, Any]:
+        """`{"proto", "address", "port"}`: one element of `ports` in `cgturn ps --json`."""
+        return {"proto": self.proto, "address": self.address, "port": self.port}
+
+
 @dataclass(slots=True)
 class TurnInfo:
     """One row of `cgturn ps`: a turn as any process can see it."""
@@ -174,7 +191,7 @@ class TurnInfo:
     reason: str | None = None
     cpu_seconds: float = 0.0
     memory_bytes: int | None = None
-    ports: list[dict] = field(default_factory=list)
+    ports: list[Port] = field(default_factory=list)
     path: str | None = None
     # Limits set on the turn itself (None: none), what it used (None: not read), its pressure
     # ({resource: {some_avg10, full_avg10} or None}; None: not read) and whether it is frozen.
@@ -188,13 +205,19 @@ class TurnInfo:
     sealed: bool = False
     network: str = "host"
 
-    def to_json(self) -> dict:
-        """The documented `cgturn ps --json` object (without `age_seconds`, which ps adds)."""
+    @property
+    def age_seconds(self) -> float:
+        """Seconds since the turn began (wall clock, never negative)."""
+        return max(0.0, time.time() - self.started_at)
+
+    def to_json(self) -> dict[str, Any]:
+        """The documented `cgturn ps --json` object."""
         from .limits import Limits, Usage
 
         data = {name: getattr(self, name) for name in ("task", "turn", "state", "pids", "owner_pid", "reason",
-                                                      "cpu_seconds", "memory_bytes", "ports", "path", "frozen",
-                                                      "sealed", "network")}
+                                                      "cpu_seconds", "memory_bytes")}
+        data["ports"] = [port.to_json() for port in self.ports]
+        data.update((name, getattr(self, name)) for name in ("path", "frozen", "sealed", "network"))
         data["started_at"] = iso8601(self.started_at)
         data["limits"] = {k: v for k, v in (self.limits or Limits()).to_json().items() if k != "oom_group"}
         usage = self.usage or Usage(cpu_seconds=self.cpu_seconds)
@@ -203,6 +226,7 @@ class TurnInfo:
         data["pressure"] = self.pressure if self.pressure is not None else {r: None for r in ("cpu", "memory", "io")}
         data["expires_at"] = None if self.expires_at is None else iso8601(self.expires_at)
         data["keys"] = dict(self.keys or {})
+        data["age_seconds"] = round(self.age_seconds, 3)
         return data
 
 

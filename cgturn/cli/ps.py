@@ -6,7 +6,6 @@ Read-only: it never recovers, kills or moves anything.
 from __future__ import annotations
 
 import sys
-import time
 
 from . import common
 
@@ -19,7 +18,7 @@ def register(sub) -> None:
 
 
 def snapshot(args, manager=None) -> list[dict]:
-    """The turns as the documented JSON objects (TurnInfo fields plus `age_seconds`).
+    """The turns as the documented JSON objects (`TurnInfo.to_json`).
 
     `watch` passes the manager it keeps across frames (which then re-reads only changed records);
     without one, a manager is made for this call and closed.
@@ -27,14 +26,8 @@ def snapshot(args, manager=None) -> list[dict]:
     if manager is None:
         with common.make_manager(args) as own:
             return snapshot(args, own)
-    infos = manager.turns(args.task, detail=True)  # usage, pressure, frozen: the ps --json fields
-    now = time.time()
-    rows = []
-    for info in infos:
-        row = info.to_json()
-        row["age_seconds"] = round(max(0.0, now - info.started_at), 3)
-        rows.append(row)
-    return rows
+    # detail: usage, pressure, frozen, the ps --json fields
+    return [info.to_json() for info in manager.turns(args.task, detail=True)]
 
 
 # A turn's pressure shows in EVENTS once some of its tasks stalled at least this share of the last 10 s.

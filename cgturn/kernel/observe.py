@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from typing import Iterable
 
+from ..model import Port
 from . import procfs, sockdiag
 from .cgroupfs import walk_tree
 from .sockdiag import ListeningSocket
@@ -80,14 +82,14 @@ def by_cgroup(sockets: list[ListeningSocket]) -> dict[int | None, list[Listening
     return index
 
 
-def ports_in_cgroups(index: dict[int | None, list[ListeningSocket]], ids) -> list[dict]:
+def ports_in_cgroups(index: dict[int | None, list[ListeningSocket]], ids: Iterable[int]) -> list[Port]:
     """The sockets (grouped by `by_cgroup`) created in one of the cgroups `ids`, as sorted,
-    de-duplicated port objects."""
+    de-duplicated ports."""
     found = [sock for cgroup_id in ids if cgroup_id in index for sock in index[cgroup_id]]
     return _unique(found) if found else []
 
 
-def ports_of_pids(pids: list[int]) -> list[dict]:
+def ports_of_pids(pids: list[int]) -> list[Port]:
     """Listening sockets held by `pids` (psutil walks each process's fds; others' need root)."""
     import psutil
 
@@ -105,9 +107,8 @@ def ports_of_pids(pids: list[int]) -> list[dict]:
     return _unique(found)
 
 
-def _unique(sockets) -> list[dict]:
-    keys = sorted({(s.proto, s.address, s.port) for s in sockets})
-    return [{"proto": proto, "address": address, "port": port} for proto, address, port in keys]
+def _unique(sockets: Iterable[ListeningSocket]) -> list[Port]:
+    return sorted({Port(s.proto, s.address, s.port) for s in sockets})
 
 
 def rss_bytes(pids: list[int]) -> int | None:
