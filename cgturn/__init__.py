@@ -51,19 +51,28 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))
 
 
-if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from .errors import (AccessDenied, AlreadyRunning, CgroupUnavailable, CgturnError, GuardUnavailable,
-                         IsolationUnavailable,
-                         KernelError, LimitsUnavailable, NoSuchProcess, NoSuchTurn, Overloaded, PermissionDenied,
-                         RegistryUnavailable, TurnExists, UnsafeOperation)
-    from .guard import PressureGuard
-    from .limits import Limits, Usage
-    from .host import HostInfo, choose_backend, discover_host, doctor_report
-    from .manager import TurnManager
-    from .model import ABANDONED, COMPLETED, CORRUPT, RUNNING, AbandonResult, Port, TurnEnded, TurnInfo
-    from .processes import ProcessInfo
-    from .recovery import RecoveryAction
-    from .sentinel import attach_sentinel
-    from .supervisor import (Outcome, Run, Supervisor, aabandon_disconnected, abandon_disconnected,
-                             areap_disconnected, reap_disconnected)
-    from .turn import Turn
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly ("X as X": re-exported)
+    from .errors import (
+        AccessDenied as AccessDenied, AlreadyRunning as AlreadyRunning, CgroupUnavailable as CgroupUnavailable,
+        CgturnError as CgturnError, GuardUnavailable as GuardUnavailable,
+        IsolationUnavailable as IsolationUnavailable, KernelError as KernelError,
+        LimitsUnavailable as LimitsUnavailable, NoSuchProcess as NoSuchProcess, NoSuchTurn as NoSuchTurn,
+        Overloaded as Overloaded, PermissionDenied as PermissionDenied,
+        RegistryUnavailable as RegistryUnavailable, TurnExists as TurnExists, UnsafeOperation as UnsafeOperation)
+    from .guard import PressureGuard as PressureGuard
+    from .host import (
+        HostInfo as HostInfo, choose_backend as choose_backend, discover_host as discover_host,
+        doctor_report as doctor_report)
+    from .limits import Limits as Limits, Usage as Usage
+    from .manager import TurnManager as TurnManager
+    from .model import (
+        ABANDONED as ABANDONED, COMPLETED as COMPLETED, CORRUPT as CORRUPT, RUNNING as RUNNING,
+        AbandonResult as AbandonResult, Port as Port, TurnEnded as TurnEnded, TurnInfo as TurnInfo)
+    from .processes import ProcessInfo as ProcessInfo
+    from .recovery import RecoveryAction as RecoveryAction
+    from .sentinel import attach_sentinel as attach_sentinel
+    from .supervisor import (
+        Outcome as Outcome, Run as Run, Supervisor as Supervisor, aabandon_disconnected as aabandon_disconnected,
+        abandon_disconnected as abandon_disconnected, areap_disconnected as areap_disconnected,
+        reap_disconnected as reap_disconnected)
+    from .turn import Turn as Turn

@@ -7,7 +7,9 @@ so that `manager.py` keeps to turns and their state changes.
 from __future__ import annotations
 
 import logging
+import subprocess
 import time
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import ids, keys, leases, reasons
 from .errors import AlreadyRunning, NoSuchTurn, UnsafeOperation
@@ -20,6 +22,18 @@ log = logging.getLogger("cgturn")
 
 class GovernanceMixin:
     """Limits, pause/resume, leases and keys for TurnManager (uses its backend, state_dir, events)."""
+
+    if TYPE_CHECKING:  # what TurnManager provides
+        from .backends.base import Backend
+        from .manager import Listeners
+
+        backend: Backend
+        state_dir: str
+        events: Listeners
+
+        def abandon_turn(self, task_key: str, turn_key: str, reason: str, grace: float, force: bool = False,
+                         when: Callable[[TurnRecord], bool] | None = None) -> AbandonResult: ...
+        def _refuse_if_caller_inside(self, rec: TurnRecord, verb: str = "kill") -> None: ...
 
     def set_limits(self, limits: Limits) -> None:
         """Set the budget of the managed root: all its turns together (None fields unchanged).
@@ -166,7 +180,7 @@ class GovernanceMixin:
         return self.abandon_turn(task_key, turn_key, reasons.LEASE_EXPIRED, 0.0, force=True,
                                  when=lambda rec: leases.expired(rec, time.time()))
 
-    def spawn_keyed(self, rec: TurnRecord, argv, key: str, popen_kwargs: dict):
+    def spawn_keyed(self, rec: TurnRecord, argv, key: str, popen_kwargs: dict) -> subprocess.Popen[Any]:
         """Spawn into `rec`'s turn unless a live process spawned with `key` in its task holds the key
         (AlreadyRunning); check, spawn and record are one step under the task's lock."""
         keys.validate(key)
@@ -178,7 +192,9 @@ class GovernanceMixin:
                                                        f"{held[0]} (turn {other.turn_id!r})")
             proc = self.backend.spawn(rec, argv, popen_kwargs)
             # Our unreaped child: its start time is its own (on cgroup2 the shim execs the target, same pid).
-            self._note_key(rec, key, (proc.pid, procfs.start_time(proc.pid)))
+            started = procfs.start_time(proc.pid)
+            if started is not None:  # None only once it is gone (and then it holds no key)
+                self._note_key(rec, key, (proc.pid, started))
         return proc
 
     def _note_key(self, rec: TurnRecord, key: str, member: tuple[int, int]) -> None:

@@ -24,12 +24,16 @@ import os
 import select
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
 from . import reasons
 from .backends import guard_state
 from .errors import GuardUnavailable, NoSuchTurn, UnsafeOperation
 from .kernel import cgroupfiles, discovery, observe, procfs, psi
 from .model import RUNNING
+
+if TYPE_CHECKING:
+    from .manager import TurnManager
 
 log = logging.getLogger("cgturn.guard")
 
@@ -79,19 +83,21 @@ class PressureGuard:
         """Raise ValueError when this process may not arm the trigger here (CAP_SYS_RESOURCE rule)."""
         psi.check_privilege(self.parsed, psi.privileged(), psi.kernel_version())
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
+        """The guard's settings as JSON (what the sentinel is started with)."""
         return {"resource": self.resource, "trigger": self.trigger, "watch": self.watch, "action": self.action,
                 "thaw_after": self.thaw_after, "abandon_after": self.abandon_after}
 
     @classmethod
-    def from_json(cls, data: dict) -> "PressureGuard":
+    def from_json(cls, data: dict[str, Any]) -> "PressureGuard":
+        """The guard `to_json` describes."""
         return cls(**{k: data[k] for k in ("resource", "trigger", "watch", "action", "thaw_after", "abandon_after")})
 
-    def runner(self, manager, owner_pid: int | None = None) -> "GuardRunner":
+    def runner(self, manager: TurnManager, owner_pid: int | None = None) -> "GuardRunner":
         """A GuardRunner of this guard for `manager` (not armed yet: `arm()`, then `run()`)."""
         return GuardRunner(self, manager, owner_pid)
 
-    def attach(self, manager) -> None:
+    def attach(self, manager: TurnManager) -> None:
         """Start `manager`'s sentinel with this guard armed in it (what `TurnManager(guard=...)` calls).
 
         Raises:
@@ -156,7 +162,7 @@ class GuardRunner:
         self.owner_pid = owner_pid or os.getpid()
         self.trigger: psi.ArmedTrigger | None = None
         self.path: str | None = None
-        self.state: dict | None = None
+        self.state: dict[str, Any] = {}  # this guard's recorded state, once it claimed the root
         self.owned_by: dict | None = None   # the other live guard's state, while in standby
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stopping = False
@@ -258,6 +264,8 @@ class GuardRunner:
 
     def _loop(self) -> None:
         trig = self.trigger
+        if trig is None:  # closed before the loop started
+            return
         poller = select.poll()
         poller.register(trig.fd, select.POLLPRI)
         poller.register(self._wake_r, select.POLLIN)
@@ -394,7 +402,7 @@ class GuardRunner:
 
     def _publish(self, **changes) -> None:
         """Update the state on the managed root (what admission and doctor read)."""
-        if self.state is None:
+        if not self.state:
             return
         self.state.update(changes)
         try:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 from .backends.base import Backend
 from .errors import CgroupUnavailable
 from .kernel import discovery
-from .kernel.discovery import HostInfo
+from .kernel.discovery import HostInfo as HostInfo  # defined by the kernel layer, exported here
 
 log = logging.getLogger("cgturn")
 
@@ -65,14 +66,16 @@ def choose_backend(host: HostInfo, wanted: str, state_dir: str) -> Backend:
         from .backends.cgroup2 import Cgroup2Backend
 
         mount, fsroot = discovery.find_cgroup2_mount()
-        return Cgroup2Backend(host.managed_root, mount or host.cgroup2_mount, state_dir, fsroot or "/",
-                              cgroup_kill=host.cgroup_kill)
+        root, mount = host.managed_root, mount or host.cgroup2_mount
+        if root is None or mount is None:  # backend_name said usable: not reached
+            raise CgroupUnavailable(f"cgroup v2 is not usable: {'; '.join(host.problems) or 'no managed root'}")
+        return Cgroup2Backend(root, mount, state_dir, fsroot or "/", cgroup_kill=host.cgroup_kill)
     from .backends.registry import RegistryBackend
 
     return RegistryBackend(state_dir)
 
 
-def doctor_report(root: str | None = None, backend: str | None = None, state_dir: str | None = None) -> dict:
+def doctor_report(root: str | None = None, backend: str | None = None, state_dir: str | None = None) -> dict[str, Any]:
     """What `cgturn doctor --json` prints: the host, the backend that would be used, and why.
     `state_dir` is where the registry fallback keeps the pressure guard's state."""
     from .backends import spawn_paths
@@ -112,7 +115,7 @@ def doctor_report(root: str | None = None, backend: str | None = None, state_dir
     }
 
 
-def _guard_report(backend: Backend, problems: list[str]) -> dict | None:
+def _guard_report(backend: Backend, problems: list[str]) -> dict[str, Any] | None:
     """The pressure guard's recorded state with `active` (armed and its process alive), or None when
     no guard ever recorded one; a guard that could not arm, or died, adds a problem."""
     from .backends import guard_state

@@ -14,6 +14,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 UNLIMITED = "max"
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)([kmgt]?)", re.IGNORECASE)
@@ -93,7 +94,7 @@ class Limits:
     cpu_weight: int | None = None
     oom_group: bool | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("memory_max", "memory_high", "swap_max"):
             _check(name, getattr(self, name), minimum=0)
         _check("pids_max", self.pids_max, minimum=1)
@@ -120,18 +121,18 @@ class Limits:
                    if getattr(changes, f.name) is not None}
         return dataclasses.replace(self, **updates)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """The limits as `ps --json` and `cgturn limits --json` show them: null = no limit."""
         return {f.name: (None if getattr(self, f.name) == UNLIMITED else getattr(self, f.name))
                 for f in dataclasses.fields(self)}
 
     @classmethod
-    def from_json(cls, data: dict) -> "Limits":
+    def from_json(cls, data: dict[str, Any]) -> "Limits":
         """Limits stored by `to_stored` (unknown keys ignored); ValueError if a value is invalid."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
-    def to_stored(self) -> dict:
+    def to_stored(self) -> dict[str, Any]:
         """Only the fields that are set, "max" kept (what a turn's record holds)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
@@ -147,7 +148,7 @@ def stored_limits(text: str | None) -> Limits:
         return Limits()
 
 
-def _check(name: str, value, minimum: int) -> None:
+def _check(name: str, value: object, minimum: int) -> None:
     if value is None or value == UNLIMITED:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -169,5 +170,5 @@ class Usage:
     cpu_seconds: float = 0.0
     cpu_throttled_seconds: float | None = None
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -61,7 +61,8 @@ def _sockets_in_namespaces(views) -> list:
     through a live member's /proc/PID/ns/net); a namespace that cannot be entered lists no ports."""
     from .kernel import observe
 
-    found, seen = [], set()
+    found: list = []
+    seen: set[tuple[int, int]] = set()
     for view in views:
         if view.record.network == "host" or not view.cgroup_ids:
             continue

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
 from . import admission, ids, leases, listing, reasons
 from .backends.base import Backend
@@ -22,6 +22,10 @@ from .model import (ABANDONED, COMPLETED, CORRUPT, NETWORKS, RUNNING, AbandonRes
                     TurnRecord)
 from .governance import GovernanceMixin
 from .turn import Turn, make_turn
+
+if TYPE_CHECKING:
+    from .guard import PressureGuard
+    from .recovery import RecoveryAction
 
 log = logging.getLogger("cgturn")
 
@@ -39,23 +43,21 @@ def default_state_dir() -> str:
 
 
 class Listeners:
-    """Observers of a manager's turns (the sentinel client, a gateway's hooks).
-
-    An observer may define turn_begun(turn), turn_touched(turn), turn_ended(event: TurnEnded),
-    lease_set(record) (a completed turn's lease was set, moved or cleared) and manager_closed(); each
-    is called synchronously and must be cheap. A failing observer is logged and never breaks ownership.
+    """Observers of a manager's turns (the sentinel client, a gateway's hooks): see
+    `cgturn.TurnListener` and docs/events.md for the hooks. Each is called synchronously and must be
+    cheap. A failing observer is logged and never breaks ownership.
     """
 
-    def __init__(self):
-        self._items: list = []
+    def __init__(self) -> None:
+        self._items: list[object] = []
 
-    def add(self, listener) -> None:
+    def add(self, listener: object) -> None:
         self._items.append(listener)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[object]:
         return iter(tuple(self._items))
 
-    def emit(self, event: str, *args) -> None:
+    def emit(self, event: str, *args: Any) -> None:
         for listener in tuple(self._items):
             hook = getattr(listener, event, None)
             if hook is not None:
@@ -90,7 +92,7 @@ class TurnManager(GovernanceMixin):
 
     def __init__(self, root: str | None = None, backend: str | Backend | None = None,
                  state_dir: str | None = None, recover: bool = False, sentinel: bool | None = None,
-                 guard=None, lease: float | None = None):
+                 guard: PressureGuard | None = None, lease: float | None = None) -> None:
         self.lease = leases.default_lease(lease)
         self.state_dir = state_dir or os.environ.get("CGTURN_STATE_DIR") or default_state_dir()
         if isinstance(backend, Backend):
@@ -111,7 +113,7 @@ class TurnManager(GovernanceMixin):
     def __enter__(self) -> "TurnManager":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     async def __aenter__(self) -> "TurnManager":
@@ -142,12 +144,18 @@ class TurnManager(GovernanceMixin):
         """The managed root (cgroup v2), or None on the registry."""
         return self.backend.scope if self.backend.name == "cgroup2" else None
 
-    def add_listener(self, listener) -> None:
-        """Register an observer of this manager's turns (see `Listeners`)."""
+    def add_listener(self, listener: object) -> None:
+        """Register an observer of this manager's turns: any object with some of the hooks of
+        `cgturn.TurnListener` (turn_begun, turn_touched, turn_ended, lease_set, manager_closed).
+
+        Hooks run synchronously in the thread that caused the event and must be cheap; an exception
+        from one is logged (logger `cgturn`) and never reaches the caller. See docs/events.md.
+        """
         self.events.add(listener)
 
     @property
-    def listeners(self) -> tuple:
+    def listeners(self) -> tuple[object, ...]:
+        """The registered observers, in the order they were added."""
         return tuple(self.events)
 
     # --- turns ------------------------------------------------------------------------------------
@@ -297,7 +305,7 @@ class TurnManager(GovernanceMixin):
         """Opaque ids of the task's live processes (abandoned turns' excluded). Blank task: empty."""
         if not _valid(task_id):
             return frozenset()
-        out = set()
+        out: set[str] = set()
         for rec in self.backend.records(ids.encode(task_id)):
             if rec.state != ABANDONED:
                 out.update(_process_id(rec, pid, start) for pid, start in self.backend.members(rec))
@@ -320,12 +328,12 @@ class TurnManager(GovernanceMixin):
                 count += len(self.backend.kill_members(rec))
                 continue
             count += len(self.backend.kill_where(
-                rec, lambda pid, start, rec=rec: _process_id(rec, pid, start) not in keep))
+                rec, lambda pid, start: _process_id(rec, pid, start) not in keep))  # called right here
         return count
 
     # --- recovery ---------------------------------------------------------------------------------
 
-    def recover(self) -> list:
+    def recover(self) -> list[RecoveryAction]:
         """Crash recovery: abandon running turns whose owner is gone, finish interrupted kills, kill
         turns without a trustworthy record, kill processes that left their turn, remove completed
         turns with nothing left. Returns `cgturn.RecoveryAction`s."""
@@ -386,7 +394,7 @@ class TurnManager(GovernanceMixin):
         return won, rec
 
     def abandon_turn(self, task_key: str, turn_key: str, reason: str, grace: float,
-                     force: bool = False, when=None) -> AbandonResult:
+                     force: bool = False, when: Callable[[TurnRecord], bool] | None = None) -> AbandonResult:
         """Mark the turn at this directory abandoned (first transition wins) and kill it. `when(record)`,
         if given, must also hold under the turn's lock (the guard: "still frozen by me"; a lease: "still
         run out")."""
@@ -433,7 +441,7 @@ class TurnManager(GovernanceMixin):
                 "signals": result.signals, "duration_ms": round(result.duration_ms, 3), "time": time.time()})
         self.events.emit("turn_ended", event)
 
-    def take_abandon_note(self, task_key: str, turn_key: str, started_at: float) -> dict | None:
+    def take_abandon_note(self, task_key: str, turn_key: str, started_at: float) -> dict[str, Any] | None:
         """Take (read and delete) the note another process left for the owner of the turn at these
         names that began at `started_at` (see cgturn.outcomes); None when there is none (yet)."""
         from . import outcomes
@@ -482,7 +490,11 @@ def _sentinel_setting(value: bool | None) -> bool:
 END_TASK_THREADS = 8
 
 
-def _map(fn, items: list, parallel: bool) -> list:
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def _map(fn: Callable[[_T], _R], items: list[_T], parallel: bool) -> list[_R]:
     """[fn(item) for item in items], in up to END_TASK_THREADS threads when `parallel` and there are
     several (each waits out its own grace: waiting side by side bounds the whole call by one grace)."""
     if not parallel or len(items) < 2:

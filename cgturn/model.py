@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable, Sequence, Union
 
 if TYPE_CHECKING:
     from .limits import Limits, Usage
@@ -17,6 +18,8 @@ STATES = (RUNNING, COMPLETED, ABANDONED)
 # unreadable, or disagrees with the directory it was read from. Such a turn is killed by any abandon
 # (the kernel's view decides what it owns, not bytes someone else could have written).
 CORRUPT = "corrupt"
+# What Turn.spawn runs: an argv sequence, or one string (a shell command with shell=True, as Popen).
+Argv = Union[str, Sequence[Union[str, "os.PathLike[str]"]]]
 # A turn's network: the host's, or "none" (a namespace of its own with only loopback, up).
 NETWORKS = ("host", "none")
 
@@ -67,12 +70,12 @@ class TurnRecord:
     # Why the record could not be trusted (state CORRUPT); never stored.
     problem: str | None = None
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         # Every stored field is a str, a number, a bool or None: no deep copy needed (asdict's cost a
         # twentieth of a turn's churn).
         return {name: getattr(self, name) for name in STORED_FIELDS}
 
-    def advance(self, allowed_from, to_state: str, updates: dict) -> bool:
+    def advance(self, allowed_from: Iterable[str], to_state: str, updates: dict[str, Any]) -> bool:
         """Apply a state change in place if the current state allows it (the caller holds the lock
         that makes read-check-write atomic). True if it was applied."""
         if self.state not in allowed_from:
@@ -83,7 +86,7 @@ class TurnRecord:
         return True
 
     @classmethod
-    def from_json(cls, data: dict) -> "TurnRecord":
+    def from_json(cls, data: dict[str, Any]) -> "TurnRecord":
         """Build from stored JSON, ignoring fields this version does not know."""
         if data.keys() <= _RECORD_FIELDS:  # the common case: written by this version
             return cls(**data)
@@ -197,11 +200,11 @@ class TurnInfo:
     # ({resource: {some_avg10, full_avg10} or None}; None: not read) and whether it is frozen.
     limits: "Limits | None" = None
     usage: "Usage | None" = None
-    pressure: dict | None = None
+    pressure: dict[str, dict[str, float] | None] | None = None
     frozen: bool = False
     # When the survivors' lease expires (wall clock), or None; live keyed spawns {key: pid}.
     expires_at: float | None = None
-    keys: dict | None = None
+    keys: dict[str, int] | None = None
     sealed: bool = False
     network: str = "host"
 

@@ -17,7 +17,7 @@ import hashlib
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 from . import statefiles
 
@@ -86,7 +86,7 @@ def take_note(state_dir: str, task_key: str, turn_key: str, started_at: float) -
     return note
 
 
-def sweep(state_dir: str, keep) -> list[str]:
+def sweep(state_dir: str, keep: Callable[[dict[str, Any]], bool]) -> list[str]:
     """Remove every note for which `keep(note)` is false (and unreadable ones); returns their paths."""
     where = os.path.join(state_dir, NOTES_DIR)
     try:

@@ -92,9 +92,9 @@ def plan_roots() -> tuple[str | None, str | None]:
             pass  # creates nothing: only the decision is wanted here
     except (ValueError, CgroupUnavailable) as err:
         raise pytest.UsageError(f"cgturn plugin: cannot use cgroup v2 as configured: {err}") from None
-    if not host.usable:
-        return None, None
     parent = explicit or host.own_cgroup
+    if not host.usable or parent is None:
+        return None, None
     return parent, os.path.join(parent, run_name())
 
 

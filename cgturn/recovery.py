@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import leases, reasons
 from .errors import AccessDenied, CgturnError
@@ -22,6 +22,7 @@ from .kernel import procfs
 from .model import ABANDONED, COMPLETED, CORRUPT, RUNNING, TurnRecord
 
 if TYPE_CHECKING:
+    from .backends.base import Backend
     from .manager import TurnManager
 
 # The actions a recovery pass reports.
@@ -48,7 +49,7 @@ class RecoveryAction:
     error: str | None = None
     path: str | None = None
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """The documented `cgturn reap --json` object: fields that do not apply are left out."""
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
@@ -85,7 +86,7 @@ def _sweep_notes(state_dir: str) -> None:
     """Remove abandon notes (cgturn.outcomes) whose owner is gone: nobody will take them."""
     from . import outcomes
 
-    def owner_lives(note: dict) -> bool:
+    def owner_lives(note: dict[str, Any]) -> bool:
         pid, start = note.get("owner_pid"), note.get("owner_start")
         if not isinstance(pid, int) or not isinstance(start, int):
             return False
@@ -97,7 +98,7 @@ def _sweep_notes(state_dir: str) -> None:
     outcomes.sweep(state_dir, owner_lives)
 
 
-def _task_of(backend, where: str) -> str:
+def _task_of(backend: Backend, where: str) -> str:
     """The task id a stray's directory belongs to ("" for the managed root itself)."""
     from . import ids
 

@@ -49,10 +49,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from . import clocks, ids, leases, processes, reasons, statefiles
 from .errors import AccessDenied, GuardUnavailable, SentinelUnavailable
 from .model import ABANDONED, COMPLETED
+
+if TYPE_CHECKING:
+    from .manager import TurnManager
 
 log = logging.getLogger("cgturn.sentinel")
 
@@ -81,7 +85,7 @@ _ATTACH_LOCK = threading.Lock()
 
 # --- owner side ------------------------------------------------------------------------------------
 
-def attach(manager) -> "SentinelClient | None":
+def attach(manager: TurnManager) -> "SentinelClient | None":
     """The sentinel client of `manager`, starting the sentinel on first use; None when switched off.
 
     Args:
@@ -387,9 +391,9 @@ class Sentinel:
                 guard.paused.seen = self._frozen_total(key)[0]
             self.guards[key] = guard
         elif op == "touch":
-            guard = self.guards.get(key)
-            if guard is not None:
-                guard.last = max(guard.last, msg["at"])
+            touched = self.guards.get(key)
+            if touched is not None:
+                touched.last = max(touched.last, msg["at"])
         elif op == "unguard":
             self.guards.pop(key, None)
         elif op == "lease":
@@ -598,7 +602,7 @@ def _arm_guard(mgr, args):
 
     runner = GuardRunner(PressureGuard.from_json(json.loads(args.guard)), mgr, owner_pid=args.owner_pid)
     if not runner.arm(standby=True):
-        log.info("pressure guard on standby: process %s owns this managed root", runner.owned_by["owner_pid"])
+        log.info("pressure guard on standby: process %s owns this managed root", (runner.owned_by or {}).get("owner_pid"))
     runner.start()
     return runner
 

@@ -30,7 +30,11 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from .limits import Usage
+    from .turn import Turn
 
 from . import clocks, ids, reasons, sentinel, watchdog
 from .errors import NoSuchTurn
@@ -67,17 +71,17 @@ class Run:
     `abandon_disconnected(run)` abandons only a run that still holds them.
     """
 
-    def __init__(self, run_id: str | None = None):
+    def __init__(self, run_id: str | None = None) -> None:
         self.run_id = run_id
         self._lock = threading.Lock()
         self.task_id: str | None = None
-        self.turn = None
+        self.turn: Turn | None = None
         self.supervisor: "Supervisor | None" = None
 
     def __repr__(self) -> str:
         return f"<Run {self.run_id!r} owns {self.task_id!r}>" if self.owned else f"<Run {self.run_id!r} idle>"
 
-    def mark(self, task_id: str, turn, supervisor: "Supervisor | None" = None) -> None:
+    def mark(self, task_id: str, turn: Turn, supervisor: "Supervisor | None" = None) -> None:
         """Record that this run owns `turn` of `task_id` (set while the run is in flight)."""
         with self._lock:
             self.task_id, self.turn, self.supervisor = task_id, turn, supervisor
@@ -142,7 +146,7 @@ class Outcome:
     killed_by: int | None = None
     # What the turn used and which limits the kernel enforced on it (cgturn.Usage): read as the
     # worker finished, or by the abandon before the turn's cgroup was removed; None when unknown.
-    usage: Any = None
+    usage: Usage | None = None
 
     @property
     def abandoned(self) -> bool:
@@ -169,10 +173,10 @@ class Supervisor:
         use_sentinel: also register the deadlines with the manager's sentinel (when enabled there).
     """
 
-    def __init__(self, turn, *, timeout: float | None = None, deadline: float | None = None, grace: float = 2.0,
+    def __init__(self, turn: Turn, *, timeout: float | None = None, deadline: float | None = None, grace: float = 2.0,
                  on_interrupt: Callable[[str], Any] | None = None, activity: Callable[[], float | None] | None = None,
                  is_still_current: Callable[[], bool] | None = None, run: Run | None = None,
-                 use_sentinel: bool = True):
+                 use_sentinel: bool = True) -> None:
         for name, value in (("timeout", timeout), ("deadline", deadline)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
@@ -198,8 +202,8 @@ class Supervisor:
         self._usage = None                        # read as the worker finished
         self._interrupted = False
         self._settled = threading.Event()        # the outcome is final (kill finished, or completed)
-        self._fired: Callable[[], None] = lambda: None  # wakes an async run() from another thread
-        self._sentinel = None
+        self._fired: Callable[[], object] = lambda: None  # wakes an async run() from another thread
+        self._sentinel: sentinel.SentinelClient | None = None
         self._paused = clocks.PausedTime()  # frozen time the clocks leave out (cgturn.clocks)
         # An abandon by someone else: who (pid), and when its figures are known (`_abandon_result`).
         self._external = False
@@ -214,7 +218,7 @@ class Supervisor:
 
     # --- running the worker ---------------------------------------------------------------------
 
-    async def run(self, worker, *args) -> Outcome:
+    async def run(self, worker: Any, *args: Any) -> Outcome:
         """Run `worker(*args)` — a coroutine function (or awaitable), or a blocking callable run in
         the loop's default executor — until it finishes or the turn is abandoned.
 
@@ -257,7 +261,7 @@ class Supervisor:
         await asyncio.to_thread(self._settle)
         return self._finish_run()
 
-    def run_blocking(self, worker: Callable, *args) -> Outcome:
+    def run_blocking(self, worker: Callable[..., Any], *args: Any) -> Outcome:
         """Run `worker(*args)` in the calling thread (plain threads, no event loop); the watchdog
         thread abandons the turn on time while it runs. Returns when the worker has returned and
         the outcome is final; `on_interrupt` is how the worker learns to return early."""
@@ -467,7 +471,7 @@ class Supervisor:
                 self._reason = reason
         if not first:
             self._settled.wait()
-            return self._abandon_result or AbandonResult(skipped=True, reason=self._reason)
+            return self._abandon_result or AbandonResult(skipped=True, reason=self._reason or reason)
         return self._carry_out(reason, grace, interrupt)
 
     def _carry_out(self, reason: str, grace: float | None, interrupt: bool) -> AbandonResult:
@@ -521,10 +525,12 @@ class Supervisor:
     # --- the watchdog (cgturn.watchdog: one thread for the process) -------------------------------
 
     def _deadline_at(self) -> float | None:
-        return None if self.deadline is None else self._started_at + self.deadline
+        if self.deadline is None or self._started_at is None:  # no deadline, or not started yet
+            return None
+        return self._started_at + self.deadline
 
     def _last_activity(self) -> float:
-        last = max(self._started_at, self.turn.last_activity)
+        last = max(self._started_at or 0.0, self.turn.last_activity)  # asked once started
         if self.activity is not None:
             try:
                 seen = self.activity()
@@ -539,8 +545,9 @@ class Supervisor:
     def _due(self) -> tuple[float, str]:
         """The nearest of the deadline and the inactivity timeout, with its reason (inf: neither)."""
         options = [(float("inf"), "")]
-        if self.deadline is not None:
-            options.append((self._deadline_at() + self._paused.deadline, REASON_DEADLINE))
+        deadline_at = self._deadline_at()
+        if deadline_at is not None:
+            options.append((deadline_at + self._paused.deadline, REASON_DEADLINE))
         if self.timeout is not None:
             last = self._last_activity()
             options.append((last + self.timeout + self._paused.idle_credit(last), REASON_TIMEOUT))

@@ -4,11 +4,12 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import time
-from typing import TYPE_CHECKING
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 from . import leases, reasons
 from .errors import NoSuchTurn
-from .model import ABANDONED, COMPLETED, RUNNING, AbandonResult, TurnRecord
+from .model import ABANDONED, COMPLETED, RUNNING, AbandonResult, Argv, TurnRecord
 
 if TYPE_CHECKING:
     import asyncio
@@ -72,7 +73,8 @@ class Turn:
     def __enter__(self) -> "Turn":
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         """`with mgr.begin_turn(...) as turn:` completes the turn when the block ends normally and
         abandons it (reason `error`, no grace) when it raises; a turn already ended is left alone."""
         if exc_type is None:
@@ -107,7 +109,8 @@ class Turn:
         """Pids of the turn's live processes."""
         return sorted(pid for pid, _ in self._manager.backend.members(self._record))
 
-    def spawn(self, argv, *, key: str | None = None, **popen_kwargs) -> subprocess.Popen:
+    def spawn(self, argv: Argv, *, key: str | None = None,
+              **popen_kwargs: Any) -> subprocess.Popen[Any]:
         """Start `argv` inside the turn: it is in the turn before the program runs its first instruction.
 
         `key`: one instance per key in the task. While the process spawned with this key (in any turn

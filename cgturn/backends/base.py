@@ -12,7 +12,7 @@ import os
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from ..errors import LimitsUnavailable
-from ..model import TurnRecord, TurnView
+from ..model import Argv, TurnRecord, TurnView
 
 if TYPE_CHECKING:
     import subprocess
@@ -94,7 +94,7 @@ class Backend(abc.ABC):
     # --- membership -------------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def spawn(self, record: TurnRecord, argv: list[str], popen_kwargs: dict) -> subprocess.Popen:
+    def spawn(self, record: TurnRecord, argv: Argv, popen_kwargs: dict) -> subprocess.Popen:
         """Start a process that is inside the turn before it runs the target program."""
 
     @abc.abstractmethod

@@ -66,7 +66,7 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
         # switched off on the first refusal (trio-style capability flag); tests set it to force the
         # freeze fallback.
         self.cgroup_kill_works = cgroup_kill is not False
-        self._gates = None
+        self._gates: SpawnGates | None = None
         self._gates_lock = threading.Lock()
         self._home: str | None = None  # where the caller was before its first enter()
         self._home_v1: dict[str, str] = {}  # and in the v1 hierarchies
@@ -273,7 +273,7 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
             # the mark here, or its kill comes after our move and takes the shim with it.
             current = self.meta.load(cg)
             joined = current is not None and current.state == RUNNING
-            if joined and current.v1_dirs:  # the turn's v1 limits hold before the target runs too
+            if current is not None and joined and current.v1_dirs:  # the turn's v1 limits hold before the target runs too
                 self.layout.join_v1(proc.pid, record.task_key, record.turn_key)
         except FileNotFoundError:
             joined = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ..errors import KernelError, LimitsUnavailable, NoSuchTurn
 from ..kernel.cgroupfs import Cgroup, child_entries
@@ -23,6 +24,20 @@ FREEZE_TIMEOUT = 1.0
 
 class GovernanceMixin:
     """Limits and figures for Cgroup2Backend (uses its root, layout, _cg, records, transition)."""
+
+    if TYPE_CHECKING:  # what Cgroup2Backend provides
+        from .cgroup2_limits import Layout
+
+        root: Cgroup
+
+        @property
+        def layout(self) -> Layout: ...
+        def _cg(self, record: TurnRecord) -> Cgroup: ...
+        def ensure_root(self) -> bool: ...
+        def records(self, task_key: str | None = None) -> list[TurnRecord]: ...
+        def transition(self, task_key: str, turn_key: str, allowed_from: Iterable[str], to_state: str,
+                       updates: dict[str, Any], when: Callable[[TurnRecord], bool] | None = None,
+                       ) -> tuple[bool, TurnRecord | None]: ...
 
     def _limit_new_turn(self, record: TurnRecord, cg: Cgroup, task: Cgroup, limits: Limits) -> None:
         """Give a new turn its limits and, on v1, its v1 directories when any level has limits."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import NoSuchTurn, UnsafeOperation
 from ..kernel import procfs
@@ -25,6 +25,15 @@ FALLBACK_ROUNDS = 50
 
 class KillingMixin:
     """Kill paths for Cgroup2Backend (uses its root, mount, _cg, _path_on_mount, cgroup_kill_works)."""
+
+    if TYPE_CHECKING:  # what Cgroup2Backend provides
+        from ..model import TurnRecord
+
+        root: Cgroup
+        cgroup_kill_works: bool
+
+        def _cg(self, record: TurnRecord) -> Cgroup: ...
+        def _path_on_mount(self, rel: str) -> str | None: ...
 
     def _guard(self, cg: Cgroup) -> None:
         """Refuse to kill or freeze outside the managed root, or a cgroup holding the caller, one of

@@ -127,7 +127,7 @@ class Layout:
     def v1_dirs(self, *names: str) -> dict[str, str]:
         """controller -> the v1 directory of the managed root (no names), a task, or a turn."""
         suffix = "".join("/" + name for name in names)  # on every turn's path: no os.path.join
-        return {name: place.path + suffix for name, place in self.places().items() if place.version == V1}
+        return {name: f"{place.path}{suffix}" for name, place in self.places().items() if place.version == V1}
 
     def make_v1_dirs(self, *names: str) -> None:
         """Make the v1 directories of the root, and of the task and turn named, as needed."""

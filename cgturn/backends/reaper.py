@@ -106,6 +106,7 @@ class OrphanReaper(threading.Thread):
         """Attribute new orphans among our children, then reap attributed ones that exited."""
         self._attribute()
         for member, fd in list(self.attributed.items()):
+            done: object
             try:
                 done = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
             except ChildProcessError:

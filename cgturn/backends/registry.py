@@ -270,7 +270,7 @@ class RegistryBackend(Backend):
         self._forget_caller()
         # Recorded, so the turn contains the caller (abandoning it is refused); in os.environ, so
         # every process started from now on carries the turn.
-        self._record_process(record, me, procfs.start_time(me), ["(entered)"])
+        self._record_process(record, me, procfs.start_time(me), ["(entered)"])  # type: ignore[arg-type]  # we exist
         os.environ.update(self.env_for(record))
 
     def leave(self) -> None:

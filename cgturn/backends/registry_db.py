@@ -62,7 +62,7 @@ class RegistryDatabase:
             except sqlite3.Error as err:
                 raise RegistryUnavailable(f"cannot open registry {self.path}: {err}") from err
             self._conn, self._conn_pid = conn, os.getpid()
-            self._init_schema()
+            self._init_schema(conn)
         return self._conn
 
     @contextlib.contextmanager
@@ -104,9 +104,8 @@ class RegistryDatabase:
             except sqlite3.Error as err:
                 raise RegistryUnavailable(f"cannot read registry {self.path}: {err}") from err
 
-    def _init_schema(self) -> None:
+    def _init_schema(self, conn: sqlite3.Connection) -> None:
         cols = ", ".join(f"{name} {kind}" for name, kind in _turn_columns())
-        conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
         try:
             conn.execute(f"CREATE TABLE IF NOT EXISTS turns ({cols}, PRIMARY KEY (task_key, turn_key))")

@@ -117,7 +117,7 @@ def spawn_clone3(backend: "Cgroup2Backend", record: "TurnRecord", argv, popen_kw
     except kspawn.CgroupJoinError as err:
         if err.errno in (errno.ENOENT, errno.ENODEV, errno.ESRCH):
             raise gone from None
-        raise KernelError(f"cannot join the v1 cgroups of turn {record.turn_id!r}: {err.strerror}") from None
+        raise KernelError(f"join the v1 cgroups of turn {record.turn_id!r} through", ", ".join(v1), err) from None
     except FileNotFoundError as err:
         if err.filename in (cg.path, *v1) or err.filename == cg.file(FREEZE_FILE):
             raise gone from None

@@ -61,7 +61,8 @@ def run(args) -> int:
             print(f"cgturn: cannot listen on {host}:{port}: {err.strerror or err}", file=sys.stderr)
             return common.EXIT_FAILED
         bound = server.server_address
-        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        addr = str(bound[0])  # an AF_INET or AF_INET6 address: always a str
+        shown = f"[{addr}]" if ":" in addr else addr
         print(f"serving metrics on http://{shown}:{bound[1]}/metrics", flush=True)
         _wait_for_stop()
         server.shutdown()

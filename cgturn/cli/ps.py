@@ -38,11 +38,11 @@ def format_table(rows: list[dict]) -> str:
     """The human-readable table of `rows` (what `ps` and `watch` print). MEM is used/limit when the
     turn has a memory limit; an EVENTS column (OOM kills, refused forks, frozen, pressure stalls of
     PSI_SHOWN % or more) appears when any turn has one."""
-    header = ("TASK", "TURN", "STATE", "PIDS", "AGE", "CPU", "MEM", "PORTS", "OWNER")
+    header: tuple[str, ...] = ("TASK", "TURN", "STATE", "PIDS", "AGE", "CPU", "MEM", "PORTS", "OWNER")
     events = [_events(row) for row in rows]
     if any(events):
         header += ("EVENTS",)
-    lines = [header]
+    lines: list[tuple[str, ...]] = [header]
     for row, note in zip(rows, events):
         line = (row["task"], row["turn"], row["state"], _pids(row["pids"]), _age(row["age_seconds"]),
                 f"{row['cpu_seconds']:.2f}s", _memory(row), _ports(row["ports"]), str(row["owner_pid"] or "-"))
@@ -87,7 +87,7 @@ def _age(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def _bytes(value: int | None) -> str:
+def _bytes(value: float | None) -> str:
     if value is None:
         return "-"
     for unit in ("B", "K", "M", "G"):

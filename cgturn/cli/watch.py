@@ -33,7 +33,7 @@ def _interval(text: str) -> float:
 def frame(args, manager) -> str:
     rows = ps.snapshot(args, manager)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    states = {}
+    states: dict[str, int] = {}
     for row in rows:
         states[row["state"]] = states.get(row["state"], 0) + 1
     summary = ", ".join(f"{n} {state}" for state, n in sorted(states.items())) or "no turns"

@@ -170,7 +170,8 @@ def _v1_files(controller: str, limits: Limits) -> list[tuple[str, str]]:
                 out.append(("memory.memsw.limit_in_bytes", "-1"))
             out.append(("memory.limit_in_bytes", v1_max))
             if limits.swap_max is not None:
-                swap = "-1" if limits.swap_max == UNLIMITED else str(limits.memory_max + limits.swap_max)
+                # both are ints here: memory_max was checked above, and swap_max is not "max"
+                swap = "-1" if limits.swap_max == UNLIMITED else str(int(limits.memory_max) + int(limits.swap_max))
                 out.append(("memory.memsw.limit_in_bytes", swap))
     elif controller == "pids" and limits.pids_max is not None:
         out.append(("pids.max", _size(limits.pids_max)))

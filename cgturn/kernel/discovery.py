@@ -51,7 +51,7 @@ def find_cgroup2_mount(env: dict[str, str] | None = None) -> tuple[str | None, s
     `CGTURN_CGROUP2_MOUNT` wins; else the first cgroup2 mount in /proc/self/mountinfo, preferring
     the usual places.
     """
-    env = os.environ if env is None else env
+    env = dict(os.environ) if env is None else env
     forced = env.get("CGTURN_CGROUP2_MOUNT")
     if forced:
         return (forced, "/") if is_cgroup2(forced) else (None, None)
@@ -92,7 +92,7 @@ def discover(root: str | None = None, env: dict[str, str] | None = None) -> Host
     Args:
         root: the managed root asked for (else `CGTURN_ROOT`, else `<own cgroup>/cgturn`).
     """
-    env = os.environ if env is None else env
+    env = dict(os.environ) if env is None else env
     info = HostInfo()
     mount, fsroot = find_cgroup2_mount(env)
     if mount is None:

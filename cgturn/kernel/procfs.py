@@ -66,7 +66,7 @@ class ProcFS:
         except OSError as err:
             raise _translate(pid, what, err) from err
         try:
-            chunks = []
+            chunks: list[bytes] = []
             while True:
                 chunk = os.read(fd, 65536)
                 if not chunk:

@@ -50,7 +50,7 @@ class DiagError(OSError):
 
 def listening_sockets() -> list[ListeningSocket]:
     """Every listening socket of this network namespace. Raises DiagError (an OSError)."""
-    out = []
+    out: list[ListeningSocket] = []
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG) as sock:
         for seq, (family, (proto, number, states)) in enumerate(
                 ((f, p) for f in FAMILIES for p in PROTOCOLS), start=1):

@@ -19,12 +19,12 @@ import os
 import subprocess
 import sys
 import threading
-from typing import Callable
+from typing import Callable, Iterable
 
 try:
     import cgturn._spawn as _spawn  # the C extension: kernel I/O, like this module
 except ImportError:  # not built (no compiler at install, or not x86_64): the caller uses another way
-    _spawn = None
+    _spawn = None  # type: ignore[assignment]  # clone3_built() says which
 
 # clone3 errors that mean "this kernel (or its seccomp filter) cannot clone into a cgroup": clone3 is
 # 5.3+, CLONE_INTO_CGROUP 5.7+ (EINVAL before), and container seccomp profiles answer ENOSYS or EPERM.
@@ -112,6 +112,7 @@ class CgroupPopen(subprocess.Popen):
     def _env_list(self, env) -> list[bytes]:
         """Popen's environment as KEY=VALUE bytes, with the extra variables (which win)."""
         extra = self._extra_env
+        items: Iterable[tuple[bytes, bytes]]
         if env is None:
             items = os.environb.items()
         else:
@@ -154,6 +155,7 @@ class CgroupPopen(subprocess.Popen):
             try:
                 env_list = self._env_list(env) if env is not None or self._extra_env else None
                 executable = os.fsencode(executable)
+                executable_list: tuple[bytes, ...]
                 if os.path.dirname(executable):
                     executable_list = (executable,)
                 else:  # resolved in the child along PATH, as Popen does (os._execvpe's order)
@@ -173,7 +175,7 @@ class CgroupPopen(subprocess.Popen):
                 self._child_created = True
             finally:
                 os.close(errpipe_write)
-            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # type: ignore[attr-defined]  # Popen's own
             # CLONE_VFORK: the child has exec'd (the pipe is closed) or failed (it wrote, then exited).
             data = bytearray()
             while True:
@@ -191,18 +193,18 @@ class CgroupPopen(subprocess.Popen):
         try:
             pid, status = os.waitpid(self.pid, 0)
             if pid == self.pid:
-                self._handle_exitstatus(status)
+                self._handle_exitstatus(status)  # type: ignore[attr-defined]  # Popen's own
             else:
                 self.returncode = sys.maxsize
         except ChildProcessError:
             pass
         try:
-            name, hex_errno, stage = data.split(b":", 2)
+            name, hex_errno, raw_stage = data.split(b":", 2)
             err = int(hex_errno, 16)
             kind = getattr(builtins, name.decode("ascii"))
         except (ValueError, AttributeError, UnicodeDecodeError):
             raise subprocess.SubprocessError(f"bad exception data from child: {data!r}") from None
-        stage = stage.decode()
+        stage = raw_stage.decode()
         message = os.strerror(err) if err else ""
         if stage == "noexec:cgroup":
             raise CgroupJoinError(err, f"joining a v1 cgroup: {message}")

@@ -1,0 +1,7 @@
+# The C extension (cgturn/_spawn.c): clone3(CLONE_INTO_CGROUP) and exec, as Popen's _fork_exec.
+from typing import Sequence
+
+def spawn(args: list[bytes], executable_list: tuple[bytes, ...], close_fds: bool, keep: tuple[int, ...],
+          cwd: bytes | None, env: list[bytes] | None, p2cread: int, p2cwrite: int, c2pread: int, c2pwrite: int,
+          errread: int, errwrite: int, errpipe_write: int, restore_signals: bool, start_new_session: bool,
+          process_group: int, umask: int, cgroup_fd: int, join_fds: Sequence[int], /) -> int: ...
