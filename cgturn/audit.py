@@ -11,6 +11,7 @@ import os
 import time
 
 from . import statefiles
+from .logfields import turn_fields
 
 log = logging.getLogger("cgturn.audit")
 
@@ -64,7 +65,8 @@ def record_action(state_dir: str, *, action: str, task: str, turn: str, reason: 
 
 def _append(state_dir: str, entry: dict) -> None:
     line = json.dumps(entry, ensure_ascii=False)
-    log.info(line, extra={"cgturn": entry})
+    log.info(line, extra=turn_fields(entry["task"], entry["turn"], entry["reason"], action=entry.get("action", "kill"),
+                                     pids=entry.get("pids", []), record=entry))
     path = audit_path(state_dir)
     try:
         os.makedirs(state_dir, exist_ok=True)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from . import ids, keys, leases, reasons
 from .errors import AlreadyRunning, NoSuchTurn, UnsafeOperation
+from .logfields import turn_fields
 from .kernel import procfs
 from .limits import Limits, Usage, stored_limits
 from .model import COMPLETED, CORRUPT, RUNNING, AbandonResult, TurnRecord
@@ -215,4 +216,5 @@ class GovernanceMixin:
         try:
             self.check_limits(task_key, turn_key, usage)
         except Exception:  # noqa: BLE001 - the audit of a limit must not stop a kill
-            log.exception("could not audit the limit events of turn %r of task %r", turn_key, task_key)
+            log.exception("could not audit the limit events of turn %r of task %r", turn_key, task_key,
+                          extra=turn_fields(ids.decode(task_key) or task_key, ids.decode(turn_key) or turn_key))

@@ -30,6 +30,7 @@ from . import reasons
 from .backends import guard_state
 from .errors import GuardUnavailable, NoSuchTurn, UnsafeOperation
 from .kernel import cgroupfiles, discovery, observe, procfs, psi
+from .logfields import turn_fields
 from .model import RUNNING
 
 if TYPE_CHECKING:
@@ -352,12 +353,15 @@ class GuardRunner:
                 pids = self.manager.freeze_turn(*key, by=BY)
                 self.state["frozen"] = sorted({*map(tuple, self.state["frozen"]), key})
                 self._publish()
-                log.info("froze %r/%r under pressure (pids %s)", rec.task_id, rec.turn_id, pids)
+                log.info("froze %r/%r under pressure (pids %s)", rec.task_id, rec.turn_id, pids,
+                         extra=turn_fields(rec.task_id, rec.turn_id, reasons.PRESSURE, pids=pids))
             else:
                 result = self.manager.abandon_turn(*key, reasons.PRESSURE, grace=0.0)
-                log.info("abandoned %r/%r under pressure (killed %s)", rec.task_id, rec.turn_id, result.killed)
+                log.info("abandoned %r/%r under pressure (killed %s)", rec.task_id, rec.turn_id, result.killed,
+                         extra=turn_fields(rec.task_id, rec.turn_id, result.reason, pids=result.killed))
         except (NoSuchTurn, UnsafeOperation) as err:
-            log.info("could not %s %r/%r: %s", self.guard.action, rec.task_id, rec.turn_id, err)
+            log.info("could not %s %r/%r: %s", self.guard.action, rec.task_id, rec.turn_id, err,
+                     extra=turn_fields(rec.task_id, rec.turn_id, reasons.PRESSURE))
 
     def _guard_frozen(self) -> list:
         """Records of the turns the guard holds frozen (read fresh: a user may have thawed one)."""
@@ -374,9 +378,11 @@ class GuardRunner:
         for rec in self._guard_frozen():
             try:
                 self.manager.thaw_turn(rec.task_key, rec.turn_key, by=BY)
-                log.info("thawed %r/%r: pressure stayed below the threshold", rec.task_id, rec.turn_id)
+                log.info("thawed %r/%r: pressure stayed below the threshold", rec.task_id, rec.turn_id,
+                         extra=turn_fields(rec.task_id, rec.turn_id, reasons.PRESSURE))
             except (NoSuchTurn, UnsafeOperation) as err:
-                log.info("left %r/%r frozen: %s", rec.task_id, rec.turn_id, err)
+                log.info("left %r/%r frozen: %s", rec.task_id, rec.turn_id, err,
+                         extra=turn_fields(rec.task_id, rec.turn_id, reasons.PRESSURE))
         self.state["frozen"] = []
         self._publish()
 
@@ -391,7 +397,8 @@ class GuardRunner:
                 result = self.manager.abandon_turn(rec.task_key, rec.turn_key, reasons.PRESSURE, grace=0.0,
                                                    when=lambda r: r.frozen_by == BY)
                 log.info("abandoned %r/%r: frozen by the guard for over %g s (killed %s)",
-                         rec.task_id, rec.turn_id, self.guard.abandon_after, result.killed)
+                         rec.task_id, rec.turn_id, self.guard.abandon_after, result.killed,
+                         extra=turn_fields(rec.task_id, rec.turn_id, result.reason, pids=result.killed))
             else:
                 kept.append((rec.task_key, rec.turn_key))
         if kept != [tuple(k) for k in self.state["frozen"]]:

@@ -13,6 +13,7 @@ import time
 
 from . import audit
 from .backends.base import Backend
+from .logfields import turn_fields
 from .model import AbandonResult, TurnRecord
 
 log = logging.getLogger("cgturn")
@@ -59,7 +60,7 @@ def kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, stat
         empty = False  # something slipped in between the wait and the rmdir: go again
     else:
         log.error("turn %r of task %r still holds processes after %d kills", rec.turn_id, rec.task_id,
-                  KILL_ATTEMPTS)
+                  KILL_ATTEMPTS, extra=turn_fields(rec.task_id, rec.turn_id, reason, pids=sorted(killed)))
     backend.remove_task(rec.task_key)
     duration_ms = (time.monotonic() - started) * 1000
     if killed:
@@ -75,7 +76,8 @@ def _final_usage(backend: Backend, rec: TurnRecord, before_removal):
     try:
         usage = backend.turn_usage(rec)
     except Exception:  # noqa: BLE001 - figures must never stop a kill
-        log.exception("could not read the usage of turn %r of task %r", rec.turn_id, rec.task_id)
+        log.exception("could not read the usage of turn %r of task %r", rec.turn_id, rec.task_id,
+                      extra=turn_fields(rec.task_id, rec.turn_id, rec.reason))
         return None
     if before_removal is not None:
         before_removal(rec.task_key, rec.turn_key, usage)

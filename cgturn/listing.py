@@ -9,6 +9,7 @@ import logging
 from . import keys
 from .backends.base import Backend
 from .limits import stored_limits
+from .logfields import turn_fields
 from .model import TurnInfo
 
 log = logging.getLogger("cgturn")
@@ -69,7 +70,8 @@ def _sockets_in_namespaces(views) -> list:
         try:
             found.extend(observe.listening_sockets_of(view.pids, seen))
         except observe.DiagUnavailable as err:
-            log.info("ports of turn %r: %s", view.record.turn_id, err)
+            log.info("ports of turn %r: %s", view.record.turn_id, err,
+                     extra=turn_fields(view.record.task_id, view.record.turn_id))
     return found
 
 

@@ -20,6 +20,7 @@ import os
 from typing import Any, Callable
 
 from . import statefiles
+from .logfields import turn_fields
 
 log = logging.getLogger("cgturn")
 
@@ -49,7 +50,7 @@ def write_note(state_dir: str, note: dict[str, Any]) -> None:
         os.replace(tmp, path)  # the owner never reads half a note
     except (OSError, TypeError, ValueError) as err:
         log.warning("cannot leave the abandon note %s for the owner of turn %r: %s", path,
-                    note.get("turn_key"), err)
+                    note.get("turn_key"), err, extra=turn_fields(note.get("task"), note.get("turn"), note.get("reason")))
 
 
 def read_note(path: str) -> dict[str, Any] | None:

@@ -49,10 +49,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import clocks, ids, leases, processes, reasons, statefiles
 from .errors import AccessDenied, GuardUnavailable, SentinelUnavailable
+from .logfields import turn_fields
 from .model import ABANDONED, COMPLETED
 
 if TYPE_CHECKING:
@@ -421,7 +422,7 @@ class Sentinel:
             try:
                 rec = self.manager.backend.load(*key)
             except Exception:  # noqa: BLE001 - one unreadable record must not end the sentinel
-                log.exception("cannot read the record of %r", key)
+                log.exception("cannot read the record of %r", key, extra=_key_fields(key))
                 continue
             if leases.expired(rec, time.time()):
                 self._start_thread(self._expire, key)
@@ -432,9 +433,10 @@ class Sentinel:
         try:
             result = self.manager.expire_lease(*key)
             if not result.skipped:
-                log.info("lease of %r expired: killed %s", key, result.killed)
+                log.info("lease of %r expired: killed %s", key, result.killed,
+                         extra=_key_fields(key, result.reason, pids=result.killed))
         except Exception:  # noqa: BLE001 - one failed kill must not end the sentinel
-            log.exception("sentinel could not expire the lease of %r", key)
+            log.exception("sentinel could not expire the lease of %r", key, extra=_key_fields(key, reasons.LEASE_EXPIRED))
 
     def _due_after_pauses(self, key, guard: Guard, now: float) -> tuple[float, str] | None:
         """The guard's due time once the turn's frozen time is left out (its clocks stop while it is
@@ -451,7 +453,7 @@ class Sentinel:
         try:
             rec = self.manager.backend.load(*key)
         except Exception:  # noqa: BLE001 - an unreadable record must not keep a turn alive
-            log.exception("cannot read the record of %r", key)
+            log.exception("cannot read the record of %r", key, extra=_key_fields(key))
             rec = None
         if rec is None:
             return otherwise, False
@@ -475,9 +477,11 @@ class Sentinel:
         try:
             result = self.manager.turn(guard.task, guard.turn).abandon(reason, grace=grace)
             if not result.skipped:
-                log.info("abandoned %r/%r: %s, killed %s", guard.task, guard.turn, reason, result.killed)
+                log.info("abandoned %r/%r: %s, killed %s", guard.task, guard.turn, reason, result.killed,
+                         extra=turn_fields(guard.task, guard.turn, result.reason, pids=result.killed))
         except Exception:  # noqa: BLE001 - one failed kill must not end the sentinel
-            log.exception("sentinel could not abandon %r/%r", guard.task, guard.turn)
+            log.exception("sentinel could not abandon %r/%r", guard.task, guard.turn,
+                          extra=turn_fields(guard.task, guard.turn, reason))
 
     def _sweep(self) -> None:
         now = time.monotonic()
@@ -493,7 +497,12 @@ class Sentinel:
             try:  # a limit the kernel enforced is audited even while the owner is stopped
                 self.manager.check_limits(*key)
             except Exception:  # noqa: BLE001 - auditing must never stop the guard
-                log.exception("could not check the limits of %r", key)
+                log.exception("could not check the limits of %r", key, extra=_key_fields(key))
+
+
+def _key_fields(key: tuple[str, str], reason: str | None = None, **more: Any) -> dict[str, Any]:
+    """Log fields for the turn at these encoded names (its original ids where they decode)."""
+    return turn_fields(ids.decode(key[0]) or key[0], ids.decode(key[1]) or key[1], reason, **more)
 
 
 def parse_message(data: bytes) -> dict:

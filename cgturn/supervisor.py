@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 from . import clocks, ids, reasons, sentinel, watchdog
 from .errors import NoSuchTurn
+from .logfields import turn_fields
 from .model import ABANDONED, COMPLETED, RUNNING, AbandonResult
 
 log = logging.getLogger("cgturn.supervisor")
@@ -508,19 +509,24 @@ class Supervisor:
         try:
             self.on_interrupt(reason)
         except Exception:  # noqa: BLE001 - the kill must happen whatever the callback does
-            log.exception("on_interrupt failed for turn %r", self.turn.turn_id)
+            log.exception("on_interrupt failed for turn %r", self.turn.turn_id, extra=self._log_fields(reason))
 
     def _kill(self, reason: str, grace: float) -> AbandonResult:
         if self.is_still_current is not None:
             try:
                 current = bool(self.is_still_current())
             except Exception:  # noqa: BLE001 - fail open: a broken guard must not leak processes
-                log.exception("is_still_current() raised; killing turn %r anyway", self.turn.turn_id)
+                log.exception("is_still_current() raised; killing turn %r anyway", self.turn.turn_id,
+                              extra=self._log_fields(reason))
                 current = True
             if not current:
-                log.info("turn %r superseded by a newer turn: kill skipped (%s)", self.turn.turn_id, reason)
+                log.info("turn %r superseded by a newer turn: kill skipped (%s)", self.turn.turn_id, reason,
+                         extra=self._log_fields(reason))
                 return AbandonResult(skipped=True, reason=reason)
         return self.turn.abandon(reason, grace=grace)
+
+    def _log_fields(self, reason: str | None = None) -> dict[str, Any]:
+        return turn_fields(self.turn.task_id, self.turn.turn_id, reason)
 
     # --- the watchdog (cgturn.watchdog: one thread for the process) -------------------------------
 
@@ -558,7 +564,7 @@ class Supervisor:
         try:
             rec = self.turn.record
         except Exception:  # noqa: BLE001 - an unreadable record must not keep a turn alive
-            log.exception("cannot read the frozen time of turn %r", self.turn.turn_id)
+            log.exception("cannot read the frozen time of turn %r", self.turn.turn_id, extra=self._log_fields())
             return self._paused.seen, False
         return clocks.frozen_total(rec, time.time()), rec.frozen_at is not None
 
@@ -611,7 +617,7 @@ class Supervisor:
         try:
             rec = turn.manager.backend.load(*turn.key)
         except Exception:  # noqa: BLE001 - a failed read decides nothing
-            log.exception("cannot read the state of turn %r", turn.turn_id)
+            log.exception("cannot read the state of turn %r", turn.turn_id, extra=self._log_fields())
             return
         if rec is None:
             # Removed: its killer writes the note right after the removal. Look again at the next

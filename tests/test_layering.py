@@ -17,7 +17,7 @@ ORDER = ("leaves", "kernel", "backends", "ownership", "supervision", "faces")
 LAYERS = {
     "leaves": ("cgturn.model", "cgturn.ids", "cgturn.errors", "cgturn.reasons", "cgturn.audit",
                "cgturn.statefiles", "cgturn.limits", "cgturn.clocks", "cgturn.leases", "cgturn.identity",
-               "cgturn.outcomes"),
+               "cgturn.outcomes", "cgturn.logfields"),
     "kernel": ("cgturn.kernel", "cgturn._spawn"),  # _spawn: the C extension (clone3 into a cgroup)
     "backends": ("cgturn.backends",),
     "ownership": ("cgturn.manager", "cgturn.governance", "cgturn.turn", "cgturn.killing", "cgturn.recovery", "cgturn.listing",

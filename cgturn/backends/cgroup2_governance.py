@@ -13,6 +13,7 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ..errors import KernelError, LimitsUnavailable, NoSuchTurn
+from ..logfields import turn_fields
 from ..kernel.cgroupfs import Cgroup, child_entries
 from ..limits import Limits, Usage, stored_limits
 from ..model import CORRUPT, TurnRecord
@@ -107,7 +108,8 @@ class GovernanceMixin:
         try:
             self.layout.apply(Limits(cpus="max"), self._cg(record).path, record.task_key, record.turn_key)
         except (LimitsUnavailable, KernelError, FileNotFoundError) as err:
-            log.debug("cannot lift the cpu limit of dying turn %r: %s", record.turn_id, err)
+            log.debug("cannot lift the cpu limit of dying turn %r: %s", record.turn_id, err,
+                      extra=turn_fields(record.task_id, record.turn_id, record.reason))
 
     def turn_usage(self, record: TurnRecord) -> Usage:
         return self.layout.usage(self._cg(record).path, record.task_key, record.turn_key)

@@ -38,6 +38,7 @@ import time
 from typing import Callable, Iterable
 
 from ..errors import AccessDenied, IsolationUnavailable, NoSuchProcess, NoSuchTurn, TurnExists
+from ..logfields import turn_fields
 from ..kernel import procfs
 from ..model import COMPLETED, RUNNING, TurnRecord
 from . import isolation
@@ -342,7 +343,8 @@ class RegistryBackend(Backend):
                 if not new:
                     break
             else:
-                log.warning("turn %r still gaining processes after %d stop passes", record.turn_id, FREEZE_PASSES)
+                log.warning("turn %r still gaining processes after %d stop passes", record.turn_id, FREEZE_PASSES,
+                            extra=turn_fields(record.task_id, record.turn_id, record.reason))
         except BaseException:
             _close_all(held)
             raise

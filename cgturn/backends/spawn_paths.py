@@ -27,6 +27,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from ..errors import KernelError, NoSuchTurn
+from ..logfields import turn_fields
 from ..kernel import spawn as kspawn
 from ..kernel.cgroupfiles import FREEZE_FILE
 from ..model import RUNNING
@@ -58,7 +59,8 @@ def available() -> list[str]:
 def choose(record: "TurnRecord", popen_kwargs: dict) -> str:
     """The first path that can honour this request, logged at debug level."""
     path, why = _choose(record, popen_kwargs)
-    log.debug("spawn path for turn %r: %s (%s)", record.turn_id, path, why)
+    log.debug("spawn path for turn %r: %s (%s)", record.turn_id, path, why,
+              extra=turn_fields(record.task_id, record.turn_id))
     return path
 
 
@@ -108,7 +110,8 @@ def spawn_clone3(backend: "Cgroup2Backend", record: "TurnRecord", argv, popen_kw
     try:
         proc = kspawn.spawn_into(cg.path, v1, may_spawn, argv, backend.env_for(record), kwargs)
     except _UseShim as why:
-        log.debug("spawn path for turn %r: shim (%s)", record.turn_id, why)
+        log.debug("spawn path for turn %r: shim (%s)", record.turn_id, why,
+                  extra=turn_fields(record.task_id, record.turn_id))
         return None
     except kspawn.CloneUnsupported as err:
         log.info("clone3 into a cgroup refused by the kernel (%s); spawning through the shim", err)
