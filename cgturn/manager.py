@@ -119,7 +119,7 @@ class TurnManager(GovernanceMixin):
     async def __aenter__(self) -> "TurnManager":
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -343,7 +343,7 @@ class TurnManager(GovernanceMixin):
 
     reap = recover  # the name `cgturn reap` and earlier versions use
 
-    async def arecover(self) -> list:
+    async def arecover(self) -> list[RecoveryAction]:
         """`recover` for asyncio (it may kill turns, each with its grace): in a worker thread."""
         import asyncio
 

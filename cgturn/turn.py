@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import time
 from types import TracebackType
@@ -139,9 +140,10 @@ class Turn:
         proc.args = argv  # Popen's own rule: what the caller passed, not a shim's command line
         return proc
 
-    async def create_subprocess_exec(self, program, *args, stdin=None, stdout=None, stderr=None,
+    async def create_subprocess_exec(self, program: str | os.PathLike[str], *args: str | os.PathLike[str],
+                                     stdin: Any = None, stdout: Any = None, stderr: Any = None,
                                      limit: int = 2 ** 16, key: str | None = None, until_exit: bool = True,
-                                     **kwds) -> "asyncio.subprocess.Process":
+                                     **kwds: Any) -> "asyncio.subprocess.Process":
         """`asyncio.create_subprocess_exec` in the turn: the process is in the turn before the program
         runs (as `spawn`, which starts it, on the loop thread as asyncio does: well under a millisecond).
 
@@ -154,16 +156,17 @@ class Turn:
         return await self._create_process((program, *args), False, stdin, stdout, stderr, limit, key,
                                           until_exit, kwds)
 
-    async def create_subprocess_shell(self, cmd, stdin=None, stdout=None, stderr=None, limit: int = 2 ** 16,
-                                      key: str | None = None, until_exit: bool = True,
-                                      **kwds) -> "asyncio.subprocess.Process":
+    async def create_subprocess_shell(self, cmd: str, stdin: Any = None, stdout: Any = None, stderr: Any = None,
+                                      limit: int = 2 ** 16, key: str | None = None, until_exit: bool = True,
+                                      **kwds: Any) -> "asyncio.subprocess.Process":
         """`asyncio.create_subprocess_shell` in the turn (`/bin/sh -c cmd`); as `create_subprocess_exec`."""
         return await self._create_process(cmd, True, stdin, stdout, stderr, limit, key, until_exit, kwds)
 
-    async def _create_process(self, args, shell, stdin, stdout, stderr, limit, key, until_exit, kwds):
+    async def _create_process(self, args: Any, shell: bool, stdin: Any, stdout: Any, stderr: Any, limit: int,
+                              key: str | None, until_exit: bool, kwds: dict[str, Any]) -> "asyncio.subprocess.Process":
         from .kernel.aioprocess import create_process
 
-        def start(argv, **popen_kwargs):
+        def start(argv: Argv, **popen_kwargs: Any) -> subprocess.Popen[Any]:
             return self.spawn(argv, key=key, **popen_kwargs)
 
         return await create_process(start, list(args) if not shell else args, shell=shell, stdin=stdin,

@@ -31,3 +31,10 @@ async def supervise(turn: Turn) -> None:
     outcome = await cgturn.Supervisor(turn, timeout=5).run(asyncio.sleep, 0.1)
     assert_type(outcome, cgturn.Outcome)
     assert_type(outcome.usage, cgturn.Usage | None)
+
+
+async def run_async(turn: Turn) -> None:
+    proc = await turn.create_subprocess_exec("sh", "-c", "echo hi", stdout=asyncio.subprocess.PIPE)
+    assert_type(proc, asyncio.subprocess.Process)
+    shell = await turn.create_subprocess_shell("echo hi")
+    assert_type(await shell.wait(), int)
