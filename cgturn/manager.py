@@ -188,7 +188,7 @@ class TurnManager(GovernanceMixin):
         me = os.getpid()
         record = TurnRecord(task_id=task_id, turn_id=turn_id, task_key=ids.encode(task_id),
                             turn_key=ids.encode(turn_id), state=RUNNING, owner_pid=me,
-                            owner_start=procfs.start_time(me), started_at=time.time(),
+                            owner_start=procfs.own_start_time(), started_at=time.time(),
                             sealed=bool(seal), network=network)
         self.backend.create_turn(record, limits)
         turn = make_turn(self, record)
@@ -362,7 +362,7 @@ class TurnManager(GovernanceMixin):
     def running_turns_of_caller(self) -> list[tuple[str, str]]:
         """(task id, turn id) of the running turns the calling process began."""
         me = os.getpid()
-        start = procfs.start_time(me)
+        start = procfs.own_start_time()
         return [(rec.task_id, rec.turn_id) for rec in self.backend.records()
                 if rec.state == RUNNING and rec.owner_pid == me and rec.owner_start == start]
 
@@ -379,10 +379,14 @@ class TurnManager(GovernanceMixin):
             self.events.emit("turn_ended", TurnEnded(rec.task_id, rec.turn_id, task_key, turn_key, COMPLETED))
             if rec.expires_at is not None:
                 self.events.emit("lease_set", rec)
+            # Nothing left: audit its limit counters (they go with its cgroup; `rec` is the record
+            # just written under the lock), then remove it. The rmdir is the atomic check: a spawn
+            # that slipped in meanwhile (it finds the turn completed and kills its shim) is waited
+            # for, and whatever stays keeps the turn, completed.
             if self.backend.wait_empty(rec, 0):
-                self._audit_limits_quietly(task_key, turn_key)  # its counters go with its cgroup
-            if self.backend.wait_empty(rec, 0) and self.backend.remove(rec):
-                self.backend.remove_task(task_key)
+                self._audit_limits_quietly(task_key, turn_key, rec=rec)
+                if self.backend.remove(rec):
+                    self.backend.remove_task(task_key)
         return won, rec
 
     def abandon_turn(self, task_key: str, turn_key: str, reason: str, grace: float,
@@ -397,7 +401,7 @@ class TurnManager(GovernanceMixin):
         me = os.getpid()
         won, rec = self.backend.transition(
             task_key, turn_key, _ABANDONABLE_FORCED if force else _ABANDONABLE, ABANDONED,
-            {"reason": reason, "ended_at": time.time(), "killer_pid": me, "killer_start": procfs.start_time(me)},
+            {"reason": reason, "ended_at": time.time(), "killer_pid": me, "killer_start": procfs.own_start_time()},
             when=when)
         if not won or rec is None:
             return AbandonResult(skipped=True, reason=(rec.reason if rec else None) or reason)
