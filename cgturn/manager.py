@@ -17,7 +17,7 @@ from .backends.base import Backend
 from .errors import AccessDenied, NoSuchProcess, NoSuchTurn, UnsafeOperation
 from .host import choose_backend, discover_host, wanted_backend
 from .kernel import procfs
-from .limits import Limits
+from .limits import Limits, Usage
 from .model import (ABANDONED, COMPLETED, CORRUPT, NETWORKS, RUNNING, AbandonResult, TurnEnded, TurnInfo,
                     TurnRecord)
 from .governance import GovernanceMixin
@@ -368,26 +368,38 @@ class TurnManager(GovernanceMixin):
 
     # --- the state changes, shared by Turn, the supervision layer and the CLI ----------------------
 
-    def complete_turn(self, task_key: str, turn_key: str,
-                      keep_for: float | None = None) -> tuple[bool, TurnRecord | None]:
+    def complete_turn(self, task_key: str, turn_key: str, keep_for: float | None = None,
+                      figures: bool = False) -> tuple[bool, TurnRecord | None, Usage | None]:
         """Move a running turn to completed, its survivors leased for `keep_for` seconds (None: until
-        end_task); (won, record after). Removes it if nothing is left."""
+        end_task); (won, record after, usage). Removes it if nothing is left. With `figures`, what the
+        turn used is read once it is completed, before any removal (else usage is None)."""
         now = time.time()
         won, rec = self.backend.transition(task_key, turn_key, {RUNNING}, COMPLETED,
                                            {"ended_at": now, "expires_at": leases.expires_at(now, keep_for)})
+        usage = None
         if won and rec is not None:
             self.events.emit("turn_ended", TurnEnded(rec.task_id, rec.turn_id, task_key, turn_key, COMPLETED))
             if rec.expires_at is not None:
                 self.events.emit("lease_set", rec)
+            if figures:
+                usage = self.turn_usage_quietly(rec)
             # Nothing left: audit its limit counters (they go with its cgroup; `rec` is the record
             # just written under the lock), then remove it. The rmdir is the atomic check: a spawn
             # that slipped in meanwhile (it finds the turn completed and kills its shim) is waited
             # for, and whatever stays keeps the turn, completed.
             if self.backend.wait_empty(rec, 0):
-                self._audit_limits_quietly(task_key, turn_key, rec=rec)
+                self._audit_limits_quietly(task_key, turn_key, usage, rec)
                 if self.backend.remove(rec):
                     self.backend.remove_task(task_key)
-        return won, rec
+        return won, rec, usage
+
+    def turn_usage_quietly(self, rec: TurnRecord) -> Usage | None:
+        """What the turn at `rec` used; None when it cannot be read (figures never decide an outcome)."""
+        try:
+            return self.backend.turn_usage(rec)
+        except Exception:  # noqa: BLE001 - figures never decide an outcome
+            log.debug("cannot read the usage of turn %r", rec.turn_id, exc_info=True)
+            return None
 
     def abandon_turn(self, task_key: str, turn_key: str, reason: str, grace: float,
                      force: bool = False, when=None) -> AbandonResult:

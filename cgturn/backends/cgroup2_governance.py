@@ -98,17 +98,14 @@ class GovernanceMixin:
         except (LimitsUnavailable, KernelError, FileNotFoundError) as err:
             log.debug("cannot lift the cpu limit of dying turn %r: %s", record.turn_id, err)
 
+    # A turn has v1 directories only when its record says so (`v1_dirs`, set under its lock when they
+    # are made): a turn without limits opens no v1 file.
     def turn_usage(self, record: TurnRecord) -> Usage:
-        return self.layout.usage(self._cg(record).path, *self._v1_names(record))
+        return self.layout.usage(self._cg(record).path, record.task_key, record.turn_key, v1=record.v1_dirs)
 
     def limit_counters(self, record: TurnRecord) -> Usage:
-        return self.layout.usage(self._cg(record).path, *self._v1_names(record), figures=False)
-
-    @staticmethod
-    def _v1_names(record: TurnRecord) -> tuple[str, ...]:
-        """The names of the turn's v1 directories, or none: a turn has them only when its record says
-        so (`v1_dirs`, set under its lock when they are made), so a turn without limits opens no v1 file."""
-        return (record.task_key, record.turn_key) if record.v1_dirs else ()
+        return self.layout.usage(self._cg(record).path, record.task_key, record.turn_key, figures=False,
+                                 v1=record.v1_dirs)
 
     def task_usage(self, task_key: str) -> Usage:
         return self.layout.usage(self.root.child(task_key).path, task_key)

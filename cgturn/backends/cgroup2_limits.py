@@ -230,8 +230,8 @@ class Layout:
         path = self.v1_dirs(*names).get("memory")
         return None if path is None else controllers.read_int(f"{path}/memory.usage_in_bytes")
 
-    def usage(self, v2_dir: str, *names: str, figures: bool = True) -> Usage:
-        """What the cgroup at `v2_dir` (with the v1 directories named, where it has them) used
-        (`figures=False`: only the limit counters, see controllers.read_usage)."""
-        return controllers.read_usage(v2_dir, self.places(), self.v1_dirs(*names), figures)
+    def usage(self, v2_dir: str, *names: str, figures: bool = True, v1: bool = True) -> Usage:
+        """What the cgroup at `v2_dir` (with the v1 directories named, where it has them; none with
+        `v1=False`) used (`figures=False`: only the limit counters, see controllers.read_usage)."""
+        return controllers.read_usage(v2_dir, self.places(), self.v1_dirs(*names) if v1 else {}, figures)
 
