@@ -79,18 +79,20 @@ class GovernanceMixin:
         managed root can have, through which layout, and why any cannot."""
         return self.backend.limits_report()
 
-    def check_limits(self, task_key: str, turn_key: str, usage: Usage | None = None) -> list[dict]:
+    def check_limits(self, task_key: str, turn_key: str, usage: Usage | None = None,
+                     rec: TurnRecord | None = None) -> list[dict]:
         """Audit every limit event of a turn not audited yet (one `limit` record per counter
         increase, whichever process notices first: the counters audited so far live on the turn's
-        record, changed under its lock). Returns the records written."""
-        from . import audit
-
-        rec = self.backend.load(task_key, turn_key)
+        record, changed under its lock). `usage` and `rec` (the record as just read or written at
+        these names) spare the reads when the caller has them. Returns the records written."""
+        rec = rec if rec is not None else self.backend.load(task_key, turn_key)
         if rec is None or rec.state == CORRUPT:
             return []
-        usage = usage if usage is not None else self.backend.turn_usage(rec)
+        usage = usage if usage is not None else self.backend.limit_counters(rec)
         if usage.oom_kills <= rec.audited_oom_kills and usage.pids_max_hits <= rec.audited_pids_max_hits:
             return []
+        from . import audit
+
         won, before = self._note_limit_counters(rec, usage)
         if not won or before is None:
             return []
@@ -211,10 +213,11 @@ class GovernanceMixin:
             if won:
                 return
 
-    def _audit_limits_quietly(self, task_key: str, turn_key: str, usage: Usage | None = None) -> None:
+    def _audit_limits_quietly(self, task_key: str, turn_key: str, usage: Usage | None = None,
+                              rec: TurnRecord | None = None) -> None:
         """check_limits on a path that must finish (a kill, a completion): never raises."""
         try:
-            self.check_limits(task_key, turn_key, usage)
+            self.check_limits(task_key, turn_key, usage, rec)
         except Exception:  # noqa: BLE001 - the audit of a limit must not stop a kill
             log.exception("could not audit the limit events of turn %r of task %r", turn_key, task_key,
                           extra=turn_fields(ids.decode(task_key) or task_key, ids.decode(turn_key) or turn_key))

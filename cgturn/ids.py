@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import time
 
 # Characters kept as they are. Everything else, including '.', '%' and '~', is %XX-encoded.
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-:@+=,")
+# Ids made only of safe characters (fresh turn ids, most task ids) are their own names: one match.
+_ALL_SAFE = re.compile("[A-Za-z0-9_\\-:@+=,]{1,%d}" % 255)
 _MAX_NAME = 255
 _PREFIX_KEEP = 180  # readable part of a shortened name; 180 + 1 + 64 hex = 245 bytes
 
@@ -62,6 +65,8 @@ def validate_text(value: object, what: str, max_bytes: int) -> str:
 @functools.lru_cache(maxsize=4096)  # a record's ids are encoded at every read that verifies it
 def encode(value: str) -> str:
     """Map a valid id to its directory name (see module doc). Pure; the caller validates first."""
+    if _ALL_SAFE.fullmatch(value):
+        return value
     raw = value.encode("utf-8")
     out = "".join(chr(b) if chr(b) in _SAFE else f"%{b:02X}" for b in raw)
     if len(out) <= _MAX_NAME:

@@ -113,13 +113,14 @@ class Limits:
 
     def is_empty(self) -> bool:
         """True when nothing is set (every field None)."""
-        return all(getattr(self, f.name) is None for f in dataclasses.fields(self))
+        return all(getattr(self, name) is None for name in _FIELDS)
 
     def merged(self, changes: "Limits") -> "Limits":
         """These limits with every field `changes` sets (None leaves a field unchanged)."""
-        updates = {f.name: getattr(changes, f.name) for f in dataclasses.fields(changes)
-                   if getattr(changes, f.name) is not None}
-        return dataclasses.replace(self, **updates)
+        updates = changes.to_stored()
+        # Limits are frozen: with nothing to change, these are the merged limits (every turn of a
+        # root without limits merges empty ones, twice per begin_turn).
+        return dataclasses.replace(self, **updates) if updates else self
 
     def to_json(self) -> dict[str, Any]:
         """The limits as `ps --json` and `cgturn limits --json` show them: null = no limit."""
@@ -134,18 +135,21 @@ class Limits:
 
     def to_stored(self) -> dict[str, Any]:
         """Only the fields that are set, "max" kept (what a turn's record holds)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        return {name: value for name in _FIELDS if (value := getattr(self, name)) is not None}
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Limits))
 
 
 def stored_limits(text: str | None) -> Limits:
     """Limits stored as JSON text (a turn record's `limits`, `Limits.to_stored()`); empty when there
     are none or they cannot be read."""
     if not text:
-        return Limits()
+        return NO_LIMITS
     try:
         return Limits.from_json(json.loads(text))
     except (ValueError, TypeError, AttributeError):
-        return Limits()
+        return NO_LIMITS
 
 
 def _check(name: str, value: object, minimum: int) -> None:
@@ -172,3 +176,6 @@ class Usage:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+NO_LIMITS = Limits()  # frozen: one shared empty value for the hot paths

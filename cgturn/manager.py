@@ -17,7 +17,7 @@ from .backends.base import Backend
 from .errors import AccessDenied, NoSuchProcess, NoSuchTurn, UnsafeOperation
 from .host import choose_backend, discover_host, wanted_backend
 from .kernel import procfs
-from .limits import Limits
+from .limits import Limits, Usage
 from .model import (ABANDONED, COMPLETED, CORRUPT, NETWORKS, RUNNING, AbandonResult, TurnEnded, TurnInfo,
                     TurnRecord)
 from .governance import GovernanceMixin
@@ -196,7 +196,7 @@ class TurnManager(GovernanceMixin):
         me = os.getpid()
         record = TurnRecord(task_id=task_id, turn_id=turn_id, task_key=ids.encode(task_id),
                             turn_key=ids.encode(turn_id), state=RUNNING, owner_pid=me,
-                            owner_start=procfs.start_time(me), started_at=time.time(),
+                            owner_start=procfs.own_start_time(), started_at=time.time(),
                             sealed=bool(seal), network=network)
         self.backend.create_turn(record, limits)
         turn = make_turn(self, record)
@@ -370,28 +370,44 @@ class TurnManager(GovernanceMixin):
     def running_turns_of_caller(self) -> list[tuple[str, str]]:
         """(task id, turn id) of the running turns the calling process began."""
         me = os.getpid()
-        start = procfs.start_time(me)
+        start = procfs.own_start_time()
         return [(rec.task_id, rec.turn_id) for rec in self.backend.records()
                 if rec.state == RUNNING and rec.owner_pid == me and rec.owner_start == start]
 
     # --- the state changes, shared by Turn, the supervision layer and the CLI ----------------------
 
-    def complete_turn(self, task_key: str, turn_key: str,
-                      keep_for: float | None = None) -> tuple[bool, TurnRecord | None]:
+    def complete_turn(self, task_key: str, turn_key: str, keep_for: float | None = None,
+                      figures: bool = False) -> tuple[bool, TurnRecord | None, Usage | None]:
         """Move a running turn to completed, its survivors leased for `keep_for` seconds (None: until
-        end_task); (won, record after). Removes it if nothing is left."""
+        end_task); (won, record after, usage). Removes it if nothing is left. With `figures`, what the
+        turn used is read once it is completed, before any removal (else usage is None)."""
         now = time.time()
         won, rec = self.backend.transition(task_key, turn_key, {RUNNING}, COMPLETED,
                                            {"ended_at": now, "expires_at": leases.expires_at(now, keep_for)})
+        usage = None
         if won and rec is not None:
             self.events.emit("turn_ended", TurnEnded(rec.task_id, rec.turn_id, task_key, turn_key, COMPLETED))
             if rec.expires_at is not None:
                 self.events.emit("lease_set", rec)
+            if figures:
+                usage = self.turn_usage_quietly(rec)
+            # Nothing left: audit its limit counters (they go with its cgroup; `rec` is the record
+            # just written under the lock), then remove it. The rmdir is the atomic check: a spawn
+            # that slipped in meanwhile (it finds the turn completed and kills its shim) is waited
+            # for, and whatever stays keeps the turn, completed.
             if self.backend.wait_empty(rec, 0):
-                self._audit_limits_quietly(task_key, turn_key)  # its counters go with its cgroup
-            if self.backend.wait_empty(rec, 0) and self.backend.remove(rec):
-                self.backend.remove_task(task_key)
-        return won, rec
+                self._audit_limits_quietly(task_key, turn_key, usage, rec)
+                if self.backend.remove(rec):
+                    self.backend.remove_task(task_key)
+        return won, rec, usage
+
+    def turn_usage_quietly(self, rec: TurnRecord) -> Usage | None:
+        """What the turn at `rec` used; None when it cannot be read (figures never decide an outcome)."""
+        try:
+            return self.backend.turn_usage(rec)
+        except Exception:  # noqa: BLE001 - figures never decide an outcome
+            log.debug("cannot read the usage of turn %r", rec.turn_id, exc_info=True)
+            return None
 
     def abandon_turn(self, task_key: str, turn_key: str, reason: str, grace: float,
                      force: bool = False, when: Callable[[TurnRecord], bool] | None = None) -> AbandonResult:
@@ -405,7 +421,7 @@ class TurnManager(GovernanceMixin):
         me = os.getpid()
         won, rec = self.backend.transition(
             task_key, turn_key, _ABANDONABLE_FORCED if force else _ABANDONABLE, ABANDONED,
-            {"reason": reason, "ended_at": time.time(), "killer_pid": me, "killer_start": procfs.start_time(me)},
+            {"reason": reason, "ended_at": time.time(), "killer_pid": me, "killer_start": procfs.own_start_time()},
             when=when)
         if not won or rec is None:
             return AbandonResult(skipped=True, reason=(rec.reason if rec else None) or reason)

@@ -10,7 +10,9 @@ Channel: an AF_UNIX SOCK_SEQPACKET socketpair; each datagram is one JSON message
 `unguard`, `lease`). Times are CLOCK_MONOTONIC, which is one clock for every process of the host. Touches are
 rate-limited in the owner (one per TOUCH_INTERVAL per turn), so a stopped owner simply reports none
 and its turn dies on time; the sentinel adds SLACK to every due time so the owner's own watchdog,
-which knows the exact activity, normally acts first.
+which knows the exact activity, normally acts first. Each message is one send(2) on a non-blocking
+socket, and the sentinel runs under SCHED_BATCH, so receiving it does not preempt the owner (see
+`_batch_policy` and docs/performance.md).
 
 Start-up handshake: the sentinel's first datagram to the owner is `ready` (sent once it can guard:
 its TurnManager is up and the owner's pidfd is open) or `error`; `attach` waits for it (READY_TIMEOUT)
@@ -31,7 +33,7 @@ owner's channel is closed.
 
 This module is both the owner-side client (`attach`, `SentinelClient`) and the process (`main`).
 
-Why one module of ~630 lines: the client and the process speak one message protocol (guard, touch,
+Why one module of ~670 lines: the client and the process speak one message protocol (guard, touch,
 unguard, lease, ready), kept side by side so that neither can drift from the other; the pressure
 guard it may run is cgturn/guard.py.
 """
@@ -120,8 +122,11 @@ class SentinelClient:
     def __init__(self, manager):
         self._manager = manager
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._sock.settimeout(_SEND_TIMEOUT)
+        # Non-blocking: a send is one sendto(2) (a socket with a timeout polls before each one);
+        # `_send` waits for room itself, up to _SEND_TIMEOUT, only when the buffer is full.
+        self._sock.setblocking(False)
         self._last_touch: dict[tuple[str, str], float] = {}
+        self._next_prune = 0.0
         self.closed = False
         try:
             self.process = _start_process(manager, theirs.fileno())
@@ -210,9 +215,13 @@ class SentinelClient:
 
     def turn_ended(self, event) -> None:
         self._send({"op": "unguard", "key": [event.task_key, event.turn_key]}, block=True)
-        # Forget rate-limit stamps of long-idle turns, so the dict does not grow with every turn.
-        horizon = time.monotonic() - 60
-        self._last_touch = {k: v for k, v in self._last_touch.items() if v > horizon}
+        # Forget rate-limit stamps of long-idle turns, so the dict does not grow with every turn;
+        # at most once a second, not a pass over every touched turn at every completion.
+        now = time.monotonic()
+        if self._last_touch and now >= self._next_prune:
+            self._next_prune = now + 1.0
+            horizon = now - 60
+            self._last_touch = {k: v for k, v in self._last_touch.items() if v > horizon}
 
     def manager_closed(self) -> None:
         self.close()
@@ -236,13 +245,25 @@ class SentinelClient:
         if len(data) > MAX_MESSAGE:
             raise ValueError(f"sentinel message of {len(data)} bytes; the limit is {MAX_MESSAGE}")
         try:
-            if block:
-                self._sock.sendall(data)
-            else:
-                # A touch must never stall the owner: drop it when the buffer is full (the next
-                # touch retries, as its rate-limit stamp was not updated).
-                self._sock.send(data, socket.MSG_DONTWAIT)
-            return True
+            try:
+                self._sock.send(data)  # SOCK_SEQPACKET: the whole datagram, or EAGAIN
+                return True
+            except BlockingIOError:
+                if not block:
+                    # A touch must never stall the owner: drop it when the buffer is full (the
+                    # next touch retries, as its rate-limit stamp was not updated).
+                    return False
+            deadline = time.monotonic() + _SEND_TIMEOUT
+            poller = select.poll()  # not select(): the fd may be above FD_SETSIZE in a busy gateway
+            poller.register(self._sock.fileno(), select.POLLOUT)
+            while (remaining := deadline - time.monotonic()) > 0:
+                if poller.poll(max(1, int(remaining * 1000))):
+                    try:
+                        self._sock.send(data)
+                        return True
+                    except BlockingIOError:
+                        continue
+            return False
         except (BlockingIOError, TimeoutError):
             return False
         except OSError as err:
@@ -576,6 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the sentinel process. Returns its exit status."""
     args = build_parser().parse_args(argv)
+    _batch_policy()
     sock = socket.socket(fileno=args.fd)
     log_problem = _setup_logging(args.state_dir)
     try:
@@ -603,6 +625,19 @@ def main(argv: list[str] | None = None) -> int:
                 runner.stop()
                 runner.join()
     return 0
+
+
+def _batch_policy() -> None:
+    """Run the sentinel under SCHED_BATCH (sched(7)) when it runs under SCHED_OTHER: the same CPU
+    share, but its wake-ups (one per message: a guard at every begin_turn, an unguard at every
+    completion) no longer preempt the owner that sent them, which measured as most of the sentinel's
+    cost per turn on a 2-CPU host. Its own due times still wake it; it runs at the next scheduling
+    point, well inside SLACK. A real-time policy inherited from the owner is kept."""
+    try:
+        if os.sched_getscheduler(0) == os.SCHED_OTHER:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (OSError, AttributeError) as err:  # not Linux, or refused: guarding works without it
+        log.debug("sentinel keeps its scheduling policy: %s", err)
 
 
 def _arm_guard(mgr, args):

@@ -200,7 +200,7 @@ class Supervisor:
         self._error: BaseException | None = None
         self._reason: str | None = None          # set once: the abandon decision
         self._abandon_result: AbandonResult | None = None
-        self._usage = None                        # read as the worker finished
+        self._usage: Usage | None = None          # read as the worker finished
         self._interrupted = False
         self._settled = threading.Event()        # the outcome is final (kill finished, or completed)
         self._fired: Callable[[], object] = lambda: None  # wakes an async run() from another thread
@@ -228,8 +228,8 @@ class Supervisor:
             `Outcome.error`. Cancelling run() abandons the turn (reason `cancelled`) and re-raises.
         """
         loop = asyncio.get_running_loop()
-        fired = asyncio.Event()
-        self._fired = lambda: loop.call_soon_threadsafe(fired.set)
+        wake = _Wake(loop)
+        self._fired = wake.set_threadsafe
         self._begin_worker()
         if self._reason is not None:  # stopped before it started: the worker never runs
             if inspect.iscoroutine(worker):
@@ -241,25 +241,21 @@ class Supervisor:
             task = asyncio.ensure_future(self._wrap_async(coro))
         else:
             task = asyncio.ensure_future(loop.run_in_executor(None, self._wrap_blocking, worker, args))
-        firing = asyncio.ensure_future(fired.wait())
+        task.add_done_callback(wake.set)
         try:
             # The poll loop: worker completion is checked before the abandon flag, so when both land
             # in the same window the completed result stands.
             while not task.done() and not self._settled.is_set():
-                await asyncio.wait({task, firing}, return_when=asyncio.FIRST_COMPLETED)
-                if firing.done():
-                    fired.clear()
-                    firing = asyncio.ensure_future(fired.wait())
+                await wake.wait()
         except asyncio.CancelledError:
             await asyncio.to_thread(self.stop, REASON_CANCELLED)
             task.cancel()
             raise
-        finally:
-            firing.cancel()
         if not task.done():
             task.cancel()  # abandoned: stop the coroutine too (a blocking callable cannot be stopped)
             await asyncio.wait({task}, timeout=CANCEL_WAIT)
-        await asyncio.to_thread(self._settle)
+        if not self._settled.is_set() or self._external:
+            await asyncio.to_thread(self._settle)  # a kill under way, or another process's figures
         return self._finish_run()
 
     def run_blocking(self, worker: Callable[..., Any], *args: Any) -> Outcome:
@@ -327,12 +323,6 @@ class Supervisor:
         self._next_poll = self._started_at + STATE_POLL
         watchdog.shared().schedule(self, self._next_due(self._started_at))
 
-    def _read_usage(self):
-        try:
-            return self.turn.usage()
-        except Exception:  # noqa: BLE001 - figures never decide an outcome
-            return None
-
     def _settle(self) -> None:
         """Wait until the outcome is final; for an abandon by another process, until its figures
         are known (its note), while that process is still killing."""
@@ -366,11 +356,13 @@ class Supervisor:
             if error is None:
                 if self.run_markers is not None:
                     self.run_markers.clear()
-                self._usage = self._read_usage()  # completing may remove the turn, figures and all
-                won = self.turn.complete()
+                # Read by the completion itself, before it may remove the turn, figures and all.
+                won, self._usage = self.turn._complete(figures=True)
             else:
                 self._error, won = error, False
             rec = None if won else self.turn.manager.backend.load(*self.turn.key)
+            if error is None and not won and rec is not None:
+                self._usage = self.turn.manager.turn_usage_quietly(rec)  # ended by another hand
             if won or (error is None and rec is not None and rec.state == COMPLETED):
                 # Completed (by this call, or by another hand: Turn.complete): it stands.
                 self._completed, self._result = True, result
@@ -584,6 +576,11 @@ class Supervisor:
         due = min(self._due()[0], self._next_poll)
         return min(due, now + ACTIVITY_POLL) if self.activity is not None else due
 
+    @property
+    def finished(self) -> bool:
+        """The outcome is decided (completed or abandoned): the watchdog has nothing left to do."""
+        return self._completed or self._reason is not None
+
     def on_due(self, now: float) -> float | None:
         """Watchdog thread: notice an abandon by another process, fire a timeout or deadline that has
         passed (the decision and `on_interrupt` here; the kill in the watchdog's kill pool); returns
@@ -645,6 +642,31 @@ def _result_from_note(note: dict, reason: str | None) -> AbandonResult:
     return AbandonResult(killed=sorted(killed), skipped=False, reason=str(note.get("reason") or reason),
                          signals=signals, duration_ms=float(duration) if isinstance(duration, (int, float)) else 0.0,
                          killed_by=killed_by if isinstance(killed_by, int) else None)
+
+
+class _Wake:
+    """What `Supervisor.run` awaits: woken by the worker's task finishing (on the loop) or by a
+    decision in another thread (`set_threadsafe`); re-armed after each wake-up. One future per
+    wake-up instead of an asyncio.Event, a task waiting on it and asyncio.wait's own futures."""
+
+    __slots__ = ("_loop", "_future")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._future = loop.create_future()
+
+    def set(self, *_: object) -> None:
+        if not self._future.done():
+            self._future.set_result(None)
+
+    def set_threadsafe(self) -> None:
+        self._loop.call_soon_threadsafe(self.set)
+
+    async def wait(self) -> None:
+        try:
+            await self._future
+        finally:
+            self._future = self._loop.create_future()
 
 
 class _Dispatcher:

@@ -255,11 +255,17 @@ class Turn:
         Returns True if this call completed the turn, False if it had already ended (e.g. abandoned).
         Raises ValueError for a negative or non-numeric keep_for.
         """
+        return self._complete(keep_for)[0]
+
+    def _complete(self, keep_for: float | None = None, figures: bool = False) -> tuple[bool, "Usage | None"]:
+        """`complete`, and with `figures` what the turn used, read in the same step (the supervisor's
+        outcome): (won, usage or None)."""
         keep_for = leases.validate(keep_for)
-        won, rec = self._manager.complete_turn(*self.key, self._manager.lease if keep_for is None else keep_for)
+        won, rec, usage = self._manager.complete_turn(*self.key, self._manager.lease if keep_for is None else keep_for,
+                                                      figures)
         if rec is not None:
             self._record = rec
-        return won
+        return won, usage
 
     def set_lease(self, seconds: float | None) -> None:
         """Let a completed turn's survivors live `seconds` from now (None or `math.inf`: until end_task).

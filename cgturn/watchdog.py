@@ -32,6 +32,10 @@ class Client(Protocol):
         """Called at (or just after) the due time: act, then return the next due time (monotonic),
         or None to leave the heap."""
 
+    @property
+    def finished(self) -> bool:
+        """True once `on_due` would only return None: the entry leaves the heap without a call."""
+
 
 class Watchdog:
     """The process's deadline heap (use `shared()`); entries are (due, seq, client)."""
@@ -69,6 +73,11 @@ class Watchdog:
             with self._cond:
                 while True:
                     now = time.monotonic()
+                    # Entries of finished clients (a supervised turn completes long before its
+                    # timeout) leave as soon as they reach the head: the thread then sleeps until
+                    # the next live due time, not once per finished turn.
+                    while self._heap and getattr(self._heap[0][2], "finished", False):
+                        heapq.heappop(self._heap)
                     if self._heap and self._heap[0][0] <= now:
                         _, _, client = heapq.heappop(self._heap)
                         break

@@ -3,7 +3,9 @@
 
 Rows: abandon latency for trees of 1..1000 processes (raw kernel floor, cgroup2 backend, registry
 backend, psutil tree-kill recipe); escapers caught by each; spawn cost (Turn.spawn vs plain Popen);
-turn churn (begin + spawn + complete per second); listing 1000 turns (library and `cgturn ps --json`).
+turn churn (begin + spawn + complete per second); cgturn's own cost per turn, spawn aside (begin_turn +
+complete, sentinel off and on; supervision with a timeout) against a bare mkdir + rmdir; listing 1000
+turns (library and `cgturn ps --json`).
 
 Everything lives in one managed root `<cgroup2 mount>/cgturn-bench-<random>` (and a temporary state
 directory), removed at the end, on errors and on Ctrl-C/SIGTERM. Run as root:
@@ -308,6 +310,88 @@ def churn(mgr: TurnManager, seconds: float) -> float:
     return done / (time.perf_counter() - t0)
 
 
+def per_turn_rows(root: str, state: str, count: int) -> dict:
+    """cgturn's own cost per turn, spawn aside (median ms), every variant once per round in a fresh
+    random order: begin_turn + complete with the sentinel off and on (a guard message at begin, an
+    unguard at complete); the same turn run under Supervisor(timeout=30) with a worker that returns at
+    once, blocking (`run_blocking`) and on an event loop (`await run`, against begin + await + complete);
+    and the floors: mkdir + rmdir of a cgroup (what a turn that is removed at completion cannot avoid)
+    and of a plain directory (on /dev/shm)."""
+    import asyncio
+
+    from cgturn import Supervisor, attach_sentinel
+
+    floor_dir = os.path.join(root, "floor")
+    os.makedirs(floor_dir)
+    got: dict[str, list[int]] = {}
+
+    def timed(name: str, fn) -> None:
+        t0 = time.perf_counter_ns()
+        fn()
+        got.setdefault(name, []).append(time.perf_counter_ns() - t0)
+
+    def split(name: str, mgr: TurnManager) -> None:
+        t0 = time.perf_counter_ns()
+        turn = mgr.begin_turn("bench-turn")
+        t1 = time.perf_counter_ns()
+        turn.complete()
+        t2 = time.perf_counter_ns()
+        for part, ns in (("begin", t1 - t0), ("complete", t2 - t1), ("total", t2 - t0)):
+            got.setdefault(f"{name} {part}", []).append(ns)
+
+    def supervised(mgr: TurnManager) -> None:
+        Supervisor(mgr.begin_turn("bench-turn"), timeout=30).run_blocking(lambda: None)
+
+    async def worker() -> None:
+        return None
+
+    async def plain_async(mgr: TurnManager) -> None:
+        turn = mgr.begin_turn("bench-turn")
+        await worker()
+        turn.complete()
+
+    async def supervised_async(mgr: TurnManager) -> None:
+        await Supervisor(mgr.begin_turn("bench-turn"), timeout=30).run(worker)
+
+    loop = asyncio.new_event_loop()
+    cg_floor = os.path.join(floor_dir, "one")
+    # On tmpfs where there is one: the state directory's disk makes a noisy floor.
+    dir_floor = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else state, f"cgturn-floor-{uuid.uuid4().hex[:8]}")
+
+    def mkdir_rmdir(path: str) -> None:
+        os.mkdir(path)
+        os.rmdir(path)
+
+    with TurnManager(root=os.path.join(root, "off"), backend="cgroup2", state_dir=os.path.join(state, "off"),
+                     sentinel=False) as off, \
+            TurnManager(root=os.path.join(root, "on"), backend="cgroup2", state_dir=os.path.join(state, "on"),
+                        sentinel=True) as on:
+        attach_sentinel(on)
+        variants = {
+            "floor cgroup": lambda: timed("mkdir + rmdir, cgroup", lambda: mkdir_rmdir(cg_floor)),
+            "floor dir": lambda: timed("mkdir + rmdir, directory", lambda: mkdir_rmdir(dir_floor)),
+            "off": lambda: split("sentinel off", off),
+            "on": lambda: split("sentinel on", on),
+            "sup off": lambda: timed("supervised, sentinel off", lambda: supervised(off)),
+            "sup on": lambda: timed("supervised, sentinel on", lambda: supervised(on)),
+            "async off": lambda: timed("async, sentinel off", lambda: loop.run_until_complete(plain_async(off))),
+            "async sup off": lambda: timed("async supervised, sentinel off",
+                                           lambda: loop.run_until_complete(supervised_async(off))),
+        }
+        rng = random.Random(11)
+        try:
+            for i in range(count + 20):
+                if i == 20:
+                    got.clear()  # the first rounds warm caches and the sentinel
+                for name in rng.sample(list(variants), len(variants)):
+                    variants[name]()
+        finally:
+            loop.close()
+            off.end_task("bench-turn")
+            on.end_task("bench-turn")
+    return {name: statistics.median(v) / 1e6 for name, v in got.items()}
+
+
 def listing_rows(root: str, state: str, turns: int) -> dict[str, float]:
     """`turns` turns, one sleeping process each: TurnManager.turns() (first call in a fresh manager,
     then repeated calls), the same reads with no cgturn code, and `cgturn ps --json` wall time."""
@@ -415,7 +499,38 @@ def destroy(root: str) -> None:
                 time.sleep(0.01)
 
 
-def print_table(abandon, escaped, spawn, churn_rates, listing) -> None:
+def print_per_turn(per_turn: dict) -> None:
+    floor = per_turn["mkdir + rmdir, cgroup"]
+    print("\n## Per-turn cost, spawn aside (median ms; begin_turn + complete, cgroup2; same run, interleaved)\n")
+    print("| variant | begin_turn | complete | together | vs mkdir + rmdir of a cgroup |")
+    print("|---|---:|---:|---:|---:|")
+    for name in ("sentinel off", "sentinel on"):
+        b, c, t = (per_turn[f"{name} {part}"] for part in ("begin", "complete", "total"))
+        print(f"| {name} | {b:.3f} | {c:.3f} | {t:.3f} | {t / floor:.2f}x |")
+    print(f"| floor: mkdir + rmdir of a cgroup | | | {floor:.3f} | 1.00x |")
+    print(f"| floor: mkdir + rmdir of a directory (tmpfs) | | | {per_turn['mkdir + rmdir, directory']:.3f} | |")
+    print("\n| supervision (timeout=30, worker returns at once) | whole turn | unsupervised | added |")
+    print("|---|---:|---:|---:|")
+    for name, base in (("supervised, sentinel off", "sentinel off total"),
+                       ("supervised, sentinel on", "sentinel on total"),
+                       ("async supervised, sentinel off", "async, sentinel off")):
+        whole, plain = per_turn[name], per_turn[base]
+        print(f"| {name} | {whole:.3f} | {plain:.3f} | +{whole - plain:.3f} ({whole / plain:.2f}x) |")
+
+
+def per_turn_targets(per_turn: dict) -> None:
+    for name in ("sentinel off", "sentinel on"):
+        total = per_turn[f"{name} total"]
+        print(f"- per-turn cost, {name}: begin_turn + complete {total:.3f} ms (target <= 0.4 ms), "
+              f"{total / per_turn['mkdir + rmdir, cgroup']:.2f}x a bare mkdir + rmdir of a cgroup")
+    for name, base in (("supervised, sentinel off", "sentinel off total"),
+                       ("supervised, sentinel on", "sentinel on total"),
+                       ("async supervised, sentinel off", "async, sentinel off")):
+        print(f"- supervision, {name.split(', ')[0]} ({name.split(', ')[1]}): "
+              f"+{per_turn[name] - per_turn[base]:.3f} ms (target <= +0.2 ms)")
+
+
+def print_table(abandon, escaped, spawn, churn_rates, per_turn, listing) -> None:
     print("\n## Abandon latency (median ms; tree of n processes; grace=0; same run, alternating)\n")
     print("| n | kernel floor | cgroup2 | registry | psutil until dead | psutil + wait_procs | cgroup2/floor "
           "| cgroup2/psutil dead |")
@@ -439,6 +554,7 @@ def print_table(abandon, escaped, spawn, churn_rates, listing) -> None:
     print("| cgroup2 | registry |")
     print("|---:|---:|")
     print(f"| {churn_rates['cgroup2']:.0f} | {churn_rates['registry']:.0f} |")
+    print_per_turn(per_turn)
     print(f"\n## Listing {listing.get('turns')} turns (one process each, ms; medians but the first call)\n")
     print("| raw reads, no cgturn code | TurnManager.turns() | turns()/raw | first call in a new manager "
           "| `cgturn ps --json` (wall, incl. interpreter start) |")
@@ -454,6 +570,7 @@ def print_table(abandon, escaped, spawn, churn_rates, listing) -> None:
               f"kernel floor (target <= 1.25x), {five['cgroup2'] / five['psutil dead']:.2f}x psutil until dead")
     print(f"- spawn: Turn.spawn cgroup2 = {spawn['Turn.spawn cgroup2'][0] / base_call:.2f}x Popen "
           "(target <= 1.5x)")
+    per_turn_targets(per_turn)
     print(f"- listing {listing.get('turns')} turns in process: {listing['library']:.1f} ms (target < 100 ms; "
           f"first call {listing['first']:.1f} ms)")
 
@@ -464,12 +581,15 @@ def main() -> int:
     ap.add_argument("--sizes", default="1,10,100,500,1000")
     ap.add_argument("--spawns", type=int, default=200)
     ap.add_argument("--turns", type=int, default=1000)
-    ap.add_argument("--quick", action="store_true", help="1 round, sizes 1,10,100, 50 spawns, 100 turns")
+    ap.add_argument("--per-turn", type=int, default=500, help="rounds of the per-turn cost section")
+    ap.add_argument("--quick", action="store_true",
+                    help="1 round, sizes 1,10,100, 50 spawns, 100 turns, 100 per-turn rounds")
+    ap.add_argument("--per-turn-only", action="store_true", help="only the per-turn cost section")
     ap.add_argument("--spawn-only", action="store_true",
                     help="only the spawn section, printed as one JSON object (scripts/ab_spawn.py)")
     args = ap.parse_args()
     if args.quick:
-        args.rounds, args.sizes, args.spawns, args.turns = 1, "1,10,100", 50, 100
+        args.rounds, args.sizes, args.spawns, args.turns, args.per_turn = 1, "1,10,100", 50, 100, 100
     sizes = [int(s) for s in args.sizes.split(",")]
     root = bench_root()
     if root is None:
@@ -482,6 +602,18 @@ def main() -> int:
                     print(json.dumps(spawn_rows(mgr, state, args.spawns)))
             finally:
                 destroy(root)
+            return 0
+        if args.per_turn_only:
+            try:
+                os.mkdir(root)
+                per_turn = per_turn_rows(os.path.join(root, "turn"), state, args.per_turn)
+            finally:
+                destroy(root)
+            print(f"cgturn per-turn bench on {os.uname().release}, {os.cpu_count()} CPUs, Python "
+                  f"{sys.version.split()[0]}, {args.per_turn} rounds, total {time.monotonic() - started:.0f} s")
+            print_per_turn(per_turn)
+            print()
+            per_turn_targets(per_turn)
             return 0
         try:
             os.mkdir(root)
@@ -496,6 +628,8 @@ def main() -> int:
                 with registry_manager(state) as reg:
                     churn_rates["registry"] = churn(reg, 2.0)
                 print("  spawn and churn done", file=sys.stderr, flush=True)
+            per_turn = per_turn_rows(os.path.join(root, "turn"), state, args.per_turn)
+            print("  per-turn cost done", file=sys.stderr, flush=True)
             listing = listing_rows(os.path.join(root, "ps"), os.path.join(state, "ps"), args.turns)
             listing["turns"] = args.turns
         except KeyboardInterrupt:
@@ -505,7 +639,7 @@ def main() -> int:
             destroy(root)
     print(f"cgturn bench on {os.uname().release}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
           f"rounds={args.rounds}, total {time.monotonic() - started:.0f} s")
-    print_table(abandon, escaped, spawn, churn_rates, listing)
+    print_table(abandon, escaped, spawn, churn_rates, per_turn, listing)
     return 0
 
 

@@ -124,6 +124,18 @@ def test_idle_sentinel_exits_when_its_manager_closes(manager):
     assert client.process.wait(timeout=10) == 0  # it exits by itself, cleanly
 
 
+def test_sentinel_runs_under_sched_batch(manager):
+    """Its wake-ups (a message per begin and per completion) must not preempt the owner (sched(7):
+    SCHED_BATCH tasks do not preempt on wake-up); it is set before `ready`, so attach sees it."""
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # what the owner passes on
+    client = attach_sentinel(manager)
+    assert os.sched_getscheduler(client.pid) == os.SCHED_BATCH
+    turn = manager.begin_turn("t")
+    assert turn.complete() is True
+    manager.close()
+    assert client.process.wait(timeout=10) == 0
+
+
 # --- `cgturn run` on the supervisor ------------------------------------------------------------------
 
 def _cgturn_run(root, state_dir, *args):

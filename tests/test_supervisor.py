@@ -287,3 +287,20 @@ def test_cancelling_run_abandons_the_turn(manager):
     asyncio.run(main())
     assert _audit(manager, turn.turn_id)[-1]["reason"] == "cancelled"
     assert proc.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_a_completed_outcome_has_the_figures_of_a_turn_its_completion_removed(cgroup2_manager):
+    """The completion reads what the turn used before it removes the emptied cgroup (cpu.stat goes
+    with it): the outcome's usage counts the CPU of a process that has already exited."""
+    from conftest import PY
+
+    turn = cgroup2_manager.begin_turn("gw", "figures")
+
+    def worker():
+        proc = turn.spawn([PY, "-c", "sum(range(3_000_000))"])
+        assert proc.wait(60) == 0
+
+    outcome = Supervisor(turn, timeout=60, use_sentinel=False).run_blocking(worker)
+    assert outcome.completed is True and outcome.usage is not None
+    assert outcome.usage.cpu_seconds > 0
+    assert cgroup2_manager.turns("gw") == []  # nothing left: the completion removed it

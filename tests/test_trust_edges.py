@@ -93,7 +93,9 @@ def test_sentinel_survives_oversized_and_malformed_messages(live_sentinel):
                  json.dumps({"op": "guard", "key": ["a", "b"], "task": "a", "turn": "b",
                              "pad": "x" * sentinel.MAX_MESSAGE}).encode(),  # valid JSON, too long
                  b"\xff\xfe", b"{", b"[]", b"{}", b'{"op": "guard"}', b'{"op": "touch", "key": 5}'):
+        client._sock.settimeout(10)  # the client's socket is non-blocking: wait for room, as _send does
         client._sock.sendall(junk)
+    client._sock.setblocking(False)
     # Still serving: a deadline guard sent after the junk is enforced.
     client.guard(turn, deadline=time.monotonic())
     assert wait_until(lambda: proc.poll() is not None, timeout=5.0)

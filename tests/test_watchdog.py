@@ -9,7 +9,9 @@ TURNS = 2000
 
 
 def cgturn_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("cgturn")]
+    """cgturn's supervision threads: the watchdog and its kill pool. (Other cgturn threads live once
+    per process, whatever the number of turns: the asyncio spawn's `cgturn-drain`, for one.)"""
+    return [t.name for t in threading.enumerate() if t.name.startswith(("cgturn-watchdog", "cgturn-kill"))]
 
 
 def test_two_thousand_supervised_turns_one_watchdog(cgroup2_manager):
@@ -43,3 +45,38 @@ def test_two_thousand_supervised_turns_one_watchdog(cgroup2_manager):
     assert [o.reason for o in outcomes] == ["timeout"] * TURNS and not any(o.external for o in outcomes)
     assert most_threads[0] <= 1 + watchdog.KILL_THREADS <= 3, cgturn_threads()
     assert mgr.turns("many") == []
+
+
+class _Client:
+    """A watchdog client that records its calls; `finished` as a supervisor reports it."""
+
+    def __init__(self, finished: bool = False):
+        self.finished = finished
+        self.calls = 0
+        self.called = threading.Event()
+
+    def on_due(self, now: float):
+        self.calls += 1
+        self.called.set()
+        return None
+
+
+def test_finished_clients_leave_the_heap_without_a_call_or_a_wait():
+    """Supervised turns that complete long before their timeouts leave entries behind; the thread
+    drops them when they reach the head instead of waking for each at its due time."""
+    import time
+
+    from conftest import wait_until
+
+    dog = watchdog.Watchdog()
+    far = time.monotonic() + 600
+    done = [_Client() for _ in range(20)]
+    for client in done:
+        dog.schedule(client, far)
+    for client in done:
+        client.finished = True
+    probe = _Client()
+    dog.schedule(probe, time.monotonic())  # the nearest: wakes the thread now
+    assert probe.called.wait(10)
+    assert wait_until(lambda: len(dog) == 0, timeout=10), f"{len(dog)} finished entries still wait for their due time"
+    assert [c.calls for c in done] == [0] * 20 and probe.calls == 1

@@ -189,6 +189,11 @@ class Backend(abc.ABC):
         cpu, _ = self.usage(record, [pid for pid, _ in self.members(record)])
         return Usage(cpu_seconds=cpu)
 
+    def limit_counters(self, record: TurnRecord) -> "Usage":
+        """The counters of limits the kernel enforced on the turn (`oom_kills`, `pids_max_hits`);
+        other figures may be left at their defaults."""
+        return self.turn_usage(record)
+
     def task_usage(self, task_key: str) -> "Usage":
         from ..limits import Usage
         return Usage()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Iterable
 from ..errors import AccessDenied, IsolationUnavailable, NoSuchTurn, TurnExists, UnsafeOperation
 from ..kernel import procfs
 from ..kernel.cgroupfs import Cgroup
-from ..limits import Limits
+from ..limits import NO_LIMITS, Limits
 from ..kernel.discovery import cgroup_mount_points, own_cgroup_dir
 from ..model import COMPLETED, CORRUPT, RUNNING, TurnRecord, TurnView
 from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag
@@ -127,7 +127,7 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
         return gone
 
     def create_turn(self, record: TurnRecord, limits: Limits | None = None) -> None:
-        limits = limits or Limits()
+        limits = limits or NO_LIMITS
         self.layout.check(limits)  # LimitsUnavailable before anything is made
         netns = self._isolation_for(record)  # IsolationUnavailable, before anything is made
         try:
@@ -161,7 +161,8 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
         task = self.root.child(record.task_key)
         cg = task.child(record.turn_key)
         for _ in range(20):  # a concurrent remove_task may rmdir the task between our two mkdirs
-            if task.create():
+            new_task = task.create()
+            if new_task:
                 self.layout.enable_v2(task)
             try:
                 cg.make()
@@ -172,7 +173,7 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
                     raise TurnExists(f"turn {record.turn_id!r} already exists in task {record.task_id!r}") from None
                 continue
             try:
-                self._limit_new_turn(record, cg, task, limits)
+                self._limit_new_turn(record, cg, task, limits, new_task)
                 self.meta.save(cg, record)
             except BaseException:
                 cg.remove_tree(timeout=1.0)  # nothing is left behind by a turn that could not be made

@@ -40,11 +40,15 @@ class GovernanceMixin:
                        updates: dict[str, Any], when: Callable[[TurnRecord], bool] | None = None,
                        ) -> tuple[bool, TurnRecord | None]: ...
 
-    def _limit_new_turn(self, record: TurnRecord, cg: Cgroup, task: Cgroup, limits: Limits) -> None:
-        """Give a new turn its limits and, on v1, its v1 directories when any level has limits."""
+    def _limit_new_turn(self, record: TurnRecord, cg: Cgroup, task: Cgroup, limits: Limits,
+                        new_task: bool = False) -> None:
+        """Give a new turn its limits and, on v1, its v1 directories when any level has limits.
+        `new_task`: this call made the task directory, which has no limits of its own yet."""
         layout = self.layout
         if layout.v1_dirs():  # some controller lives in v1: does a limit apply to this turn?
-            inherited = layout.stored_limits(task).merged(layout.stored_limits(self.root))
+            inherited = layout.stored_limits(self.root)
+            if not new_task:
+                inherited = layout.stored_limits(task).merged(inherited)
             if layout.uses_v1(limits) or layout.uses_v1(inherited):
                 layout.make_v1_dirs(record.task_key, record.turn_key)
                 record.v1_dirs = True
@@ -111,8 +115,14 @@ class GovernanceMixin:
             log.debug("cannot lift the cpu limit of dying turn %r: %s", record.turn_id, err,
                       extra=turn_fields(record.task_id, record.turn_id, record.reason))
 
+    # A turn has v1 directories only when its record says so (`v1_dirs`, set under its lock when they
+    # are made): a turn without limits opens no v1 file.
     def turn_usage(self, record: TurnRecord) -> Usage:
-        return self.layout.usage(self._cg(record).path, record.task_key, record.turn_key)
+        return self.layout.usage(self._cg(record).path, record.task_key, record.turn_key, v1=record.v1_dirs)
+
+    def limit_counters(self, record: TurnRecord) -> Usage:
+        return self.layout.usage(self._cg(record).path, record.task_key, record.turn_key, figures=False,
+                                 v1=record.v1_dirs)
 
     def task_usage(self, task_key: str) -> Usage:
         return self.layout.usage(self.root.child(task_key).path, task_key)

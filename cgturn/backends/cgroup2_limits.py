@@ -22,7 +22,7 @@ from ..errors import LimitsUnavailable
 from ..kernel import controllers, parsers, procfs
 from ..kernel.cgroupfs import Cgroup, read_text
 from ..kernel.controllers import V1, V2, Place
-from ..limits import Limits, Usage
+from ..limits import NO_LIMITS, Limits, Usage
 
 log = logging.getLogger("cgturn")
 
@@ -182,6 +182,8 @@ class Layout:
 
     def check(self, limits: Limits) -> list[tuple[str, str, str]]:
         """The files `limits` needs here; raises LimitsUnavailable before anything is touched."""
+        if limits.is_empty():  # most turns: nothing to look up
+            return []
         return controllers.limit_files(limits, self.places())
 
     def apply(self, limits: Limits, v2_dir: str, *names: str) -> None:
@@ -199,7 +201,7 @@ class Layout:
         """What every turn gets on this layout without asking: on v2, a memory OOM kills the whole
         turn (memory.oom.group), not one arbitrary process."""
         memory = self.places().get("memory")
-        return Limits(oom_group=True) if memory is not None and memory.version == V2 else Limits()
+        return Limits(oom_group=True) if memory is not None and memory.version == V2 else NO_LIMITS
 
     def uses_v1(self, limits: Limits) -> bool:
         """True if setting `limits` needs v1 directories."""
@@ -209,14 +211,14 @@ class Layout:
     @staticmethod
     def stored_limits(cg: Cgroup) -> Limits:
         """The limits recorded on the managed root or a task directory (empty when none)."""
-        raw = cg.get_xattr(LIMITS_KEY) if os.path.isdir(cg.path) else None
+        raw = cg.get_xattr(LIMITS_KEY)  # None when the directory or the record is absent
         if raw is None:
-            return Limits()
+            return NO_LIMITS
         try:
             return Limits.from_json(json.loads(raw))
         except (ValueError, TypeError, AttributeError):
             log.warning("unreadable limits record on %s: ignored", cg.path)
-            return Limits()
+            return NO_LIMITS
 
     @staticmethod
     def store_limits(cg: Cgroup, limits: Limits) -> None:
@@ -228,7 +230,8 @@ class Layout:
         path = self.v1_dirs(*names).get("memory")
         return None if path is None else controllers.read_int(f"{path}/memory.usage_in_bytes")
 
-    def usage(self, v2_dir: str, *names: str) -> Usage:
-        """What the cgroup at `v2_dir` (with the v1 directories named, where it has them) used."""
-        return controllers.read_usage(v2_dir, self.places(), self.v1_dirs(*names))
+    def usage(self, v2_dir: str, *names: str, figures: bool = True, v1: bool = True) -> Usage:
+        """What the cgroup at `v2_dir` (with the v1 directories named, where it has them; none with
+        `v1=False`) used (`figures=False`: only the limit counters, see controllers.read_usage)."""
+        return controllers.read_usage(v2_dir, self.places(), self.v1_dirs(*names) if v1 else {}, figures)
 

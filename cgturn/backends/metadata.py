@@ -27,6 +27,7 @@ and killed by any abandon — never as the turn it names.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import logging
 import os
@@ -160,7 +161,7 @@ class MetadataStore:
         fail, remove the token so no reader can trust what it parsed before."""
         task = Cgroup(os.path.dirname(cg.path))
         try:
-            task.set_xattr(GENERATION_KEY, os.urandom(8).hex().encode())
+            task.set_xattr(GENERATION_KEY, _new_token())
         except OSError as err:
             try:
                 task.remove_xattr(GENERATION_KEY)
@@ -171,12 +172,14 @@ class MetadataStore:
 
     def save(self, cg: Cgroup, record: TurnRecord) -> None:
         """Store `record` on `cg`: as its xattr, else (refused for this write) as a state-dir file."""
-        raw = json.dumps(record.to_json(), ensure_ascii=False).encode("utf-8", "surrogateescape")
+        raw = _ENCODER.encode(record.to_json()).encode("utf-8", "surrogateescape")
         if self.use_xattrs:
             try:
                 cg.set_xattr(XATTR_KEY, raw)
                 self._bump_generation(cg)
-                self._forget_file(cg)
+                # A file left by an earlier refused write is not removed here (a failing unlink on
+                # every state change): the xattr is read first, so it is never consulted, a later
+                # refused write replaces it, and `forget` removes it with the turn.
                 return
             except OSError as err:
                 if err.errno not in _XATTR_REFUSED:
@@ -201,21 +204,34 @@ class MetadataStore:
         os.replace(tmp, path)
 
     def forget(self, cg: Cgroup) -> None:
-        """Drop the fallback file of a removed turn (the xattr goes with the directory)."""
-        self._forget_file(cg)
+        """Drop the fallback file of a removed turn (the xattr goes with the directory), and its task's
+        file directory when that was the last file in it."""
+        path = self._file(cg)
         try:
-            os.rmdir(os.path.dirname(self._file(cg)))
+            os.unlink(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return  # no file: its task's directory, if any, holds other turns' files
+        try:
+            os.rmdir(os.path.dirname(path))
         except OSError:
             pass
 
-    def _forget_file(self, cg: Cgroup) -> None:
-        try:
-            os.unlink(self._file(cg))
-        except (FileNotFoundError, NotADirectoryError):
-            pass
+
+_TOKENS: tuple[int, bytes, "itertools.count[int]"] | None = None
+
+
+def _new_token() -> bytes:
+    """A generation token no other write has used: a random prefix per process (made again in a
+    forked child) and a counter; cheaper than random bytes per write (a getrandom(2) each)."""
+    global _TOKENS
+    pid = os.getpid()
+    if _TOKENS is None or _TOKENS[0] != pid:
+        _TOKENS = (pid, os.urandom(6).hex().encode(), itertools.count())
+    return b"%s-%x" % (_TOKENS[1], next(_TOKENS[2]))
 
 
 _DECODER = json.JSONDecoder()
+_ENCODER = json.JSONEncoder(ensure_ascii=False)  # json.dumps with a keyword builds one per call
 _STR_FIELDS = ("task_id", "turn_id", "task_key", "turn_key", "state")
 _INT_FIELDS = ("owner_pid", "owner_start", "killer_pid", "killer_start")
 

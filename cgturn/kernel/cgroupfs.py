@@ -61,7 +61,8 @@ class Cgroup:
         """The cgroup `name` directly below this one. Refuses names that would lead elsewhere."""
         if not name or name in (".", "..") or "/" in name or "\0" in name:
             raise ValueError(f"not a cgroup name: {name!r}")
-        return Cgroup(os.path.join(self.path, name))
+        # Not os.path.join: a turn's path is made several times per state change.
+        return Cgroup(f"{self.path}{name}" if self.path.endswith("/") else f"{self.path}/{name}")
 
     def file(self, name: str) -> str:
         return f"{self.path}/{name}"  # not os.path.join: this is on every hot path, and 4x cheaper
@@ -268,6 +269,8 @@ class Cgroup:
 
     def remove_tree(self, timeout: float = 2.0) -> bool:
         """rmdir this cgroup and every descendant, children first. True when all are gone."""
+        if self.remove_if_empty():  # the common case, a leaf with nothing in it: one rmdir, no walk
+            return True
         ok = True
         for cg in reversed(self.descendants()):
             ok = cg.remove(timeout) and ok

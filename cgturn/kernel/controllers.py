@@ -187,25 +187,29 @@ def _v1_files(controller: str, limits: Limits) -> list[tuple[str, str]]:
 
 # --- usage ------------------------------------------------------------------------------------------
 
-def read_usage(v2_dir: str, places: dict[str, Place], v1_dirs: dict[str, str]) -> Usage:
+def read_usage(v2_dir: str, places: dict[str, Place], v1_dirs: dict[str, str], figures: bool = True) -> Usage:
     """What the cgroup at `v2_dir` (and its v1 directories `v1_dirs`, controller -> path) used.
 
     Files this kernel or layout lacks leave their figure at its default (0, or None for peaks).
+    `figures=False` reads only the counters of limits the kernel enforced (`oom_kills`,
+    `pids_max_hits`): what a limit audit needs, without cpu.stat and the peaks.
     """
     usage = Usage()
-    cpu = _flat(f"{v2_dir}/cpu.stat")
+    cpu = _flat(f"{v2_dir}/cpu.stat") if figures else {}
     usage.cpu_seconds = cpu.get("usage_usec", 0) / 1e6
     memory = places.get("memory")
     if memory is not None and memory.version == V2:
         usage.oom_kills = _flat(f"{v2_dir}/memory.events").get("oom_kill", 0)
-        usage.memory_peak_bytes = read_int(f"{v2_dir}/memory.peak")
+        usage.memory_peak_bytes = read_int(f"{v2_dir}/memory.peak") if figures else None
     elif memory is not None and "memory" in v1_dirs:
         usage.oom_kills = _flat(f"{v1_dirs['memory']}/memory.oom_control").get("oom_kill", 0)
-        usage.memory_peak_bytes = read_int(f"{v1_dirs['memory']}/memory.max_usage_in_bytes")
+        usage.memory_peak_bytes = read_int(f"{v1_dirs['memory']}/memory.max_usage_in_bytes") if figures else None
     pids = places.get("pids")
     pids_dir = v2_dir if pids is not None and pids.version == V2 else v1_dirs.get("pids")
     if pids is not None and pids_dir is not None:
         usage.pids_max_hits = _flat(f"{pids_dir}/pids.events").get("max", 0)
+    if not figures:
+        return usage
     cpu_place = places.get("cpu")
     if cpu_place is not None and cpu_place.version == V2:
         usage.cpu_throttled_seconds = cpu.get("throttled_usec", 0) / 1e6

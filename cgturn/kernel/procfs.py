@@ -148,6 +148,22 @@ def start_time(pid: int) -> int | None:
     return st.start_time if st else None
 
 
+_OWN_START: tuple[int, int] | None = None
+
+
+def own_start_time() -> int | None:
+    """`start_time` of the calling process, read from /proc once per process (a forked child has
+    another pid, and reads its own; a process's start time never changes)."""
+    global _OWN_START
+    pid = os.getpid()
+    if _OWN_START is not None and _OWN_START[0] == pid:
+        return _OWN_START[1]
+    started = start_time(pid)
+    if started is not None:
+        _OWN_START = (pid, started)
+    return started
+
+
 def is_alive(pid: int, started: int) -> bool:
     """True if `pid` runs and is the process that started at `started` (a zombie has exited).
 
