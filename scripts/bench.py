@@ -4,8 +4,9 @@
 Rows: abandon latency for trees of 1..1000 processes (raw kernel floor, cgroup2 backend, registry
 backend, psutil tree-kill recipe); escapers caught by each; spawn cost (Turn.spawn vs plain Popen);
 turn churn (begin + spawn + complete per second); cgturn's own cost per turn, spawn aside (begin_turn +
-complete, sentinel off and on; supervision with a timeout) against a bare mkdir + rmdir; listing 1000
-turns (library and `cgturn ps --json`).
+complete, sentinel off and on; supervision with a timeout) against a bare mkdir + rmdir; a whole
+asyncio turn against asyncio.create_subprocess_exec (scripts/bench_aio.py); listing 1000 turns (library
+and `cgturn ps --json`).
 
 Everything lives in one managed root `<cgroup2 mount>/cgturn-bench-<random>` (and a temporary state
 directory), removed at the end, on errors and on Ctrl-C/SIGTERM. Run as root:
@@ -576,6 +577,8 @@ def print_table(abandon, escaped, spawn, churn_rates, per_turn, listing) -> None
 
 
 def main() -> int:
+    import bench_aio  # the whole-asyncio-turn rows (it imports this module's helpers)
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sizes", default="1,10,100,500,1000")
@@ -607,13 +610,17 @@ def main() -> int:
             try:
                 os.mkdir(root)
                 per_turn = per_turn_rows(os.path.join(root, "turn"), state, args.per_turn)
+                async_turn = bench_aio.measure_paths(os.path.join(root, "aio"), os.path.join(state, "aio"),
+                                                     args.per_turn)
             finally:
                 destroy(root)
             print(f"cgturn per-turn bench on {os.uname().release}, {os.cpu_count()} CPUs, Python "
                   f"{sys.version.split()[0]}, {args.per_turn} rounds, total {time.monotonic() - started:.0f} s")
             print_per_turn(per_turn)
+            bench_aio.print_results(async_turn, args.per_turn)
             print()
             per_turn_targets(per_turn)
+            bench_aio.print_target(async_turn)
             return 0
         try:
             os.mkdir(root)
@@ -629,6 +636,8 @@ def main() -> int:
                     churn_rates["registry"] = churn(reg, 2.0)
                 print("  spawn and churn done", file=sys.stderr, flush=True)
             per_turn = per_turn_rows(os.path.join(root, "turn"), state, args.per_turn)
+            async_turn = bench_aio.measure_paths(os.path.join(root, "aio"), os.path.join(state, "aio"),
+                                                 args.per_turn)
             print("  per-turn cost done", file=sys.stderr, flush=True)
             listing = listing_rows(os.path.join(root, "ps"), os.path.join(state, "ps"), args.turns)
             listing["turns"] = args.turns
@@ -640,6 +649,9 @@ def main() -> int:
     print(f"cgturn bench on {os.uname().release}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
           f"rounds={args.rounds}, total {time.monotonic() - started:.0f} s")
     print_table(abandon, escaped, spawn, churn_rates, per_turn, listing)
+    bench_aio.print_results(async_turn, args.per_turn)
+    print()
+    bench_aio.print_target(async_turn)
     return 0
 
 

@@ -75,6 +75,43 @@ async def measure(mgr: TurnManager, rounds: int, seed: int) -> dict[str, float]:
     return {name: statistics.median(values) * 1000 for name, values in times.items()}
 
 
+def measure_paths(root: str, state: str, rounds: int) -> dict[str, dict[str, float]]:
+    """{spawn path: {method: median ms}} for every spawn path this host has, in managed root `root`."""
+    results = {}
+    saved = spawn_paths.can_clone3
+    try:
+        for path in spawn_paths.available():
+            spawn_paths.can_clone3 = path == spawn_paths.CLONE3
+            with TurnManager(root=root, backend="cgroup2", state_dir=state, sentinel=False) as mgr:
+                results[path] = asyncio.run(measure(mgr, rounds, seed=15))
+                mgr.end_task("bench-aio", grace=0)
+    finally:
+        spawn_paths.can_clone3 = saved
+    return results
+
+
+PLAIN = "asyncio.create_subprocess_exec + wait"
+WHOLE = "begin + create_subprocess_exec + wait + complete"
+
+
+def print_results(results: dict[str, dict[str, float]], rounds: int) -> None:
+    paths = list(results)
+    print(f"\n## A whole asyncio turn (median ms, /bin/true, {rounds} rounds, random order)\n")
+    print("| method | " + " | ".join(f"{p} path" for p in paths) + " | " +
+          " | ".join(f"vs asyncio ({p})" for p in paths) + " |")
+    print("|---|" + "---:|" * (2 * len(paths)))
+    for name in results[paths[0]]:
+        cells = [f"{results[p][name]:.2f}" for p in paths]
+        ratios = [f"{results[p][name] / results[p][PLAIN]:.2f}x" for p in paths]
+        print(f"| {name} | " + " | ".join(cells + ratios) + " |")
+
+
+def print_target(results: dict[str, dict[str, float]]) -> None:
+    best = next(iter(results))
+    print(f"- whole asyncio turn on the {best} path: {results[best][WHOLE] / results[best][PLAIN]:.2f}x "
+          "asyncio.create_subprocess_exec + wait (target <= 1.5x)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=300)
@@ -82,31 +119,14 @@ def main() -> int:
     root = bench_root()
     if root is None:
         return 1
-    paths = spawn_paths.available()
     try:
         with tempfile.TemporaryDirectory(prefix="cgturn-bench-") as state:
-            results = {}
-            for path in paths:
-                spawn_paths.can_clone3 = path == spawn_paths.CLONE3
-                with TurnManager(root=root, backend="cgroup2", state_dir=state, sentinel=False) as mgr:
-                    results[path] = asyncio.run(measure(mgr, args.rounds, seed=15))
-                    for task in ("bench-aio",):
-                        mgr.end_task(task, grace=0)
+            results = measure_paths(root, state, args.rounds)
     finally:
         destroy(root)
-    print(f"\n## A whole asyncio turn (median ms, /bin/true, {args.rounds} rounds, random order; "
-          f"Python {sys.version.split()[0]})\n")
-    print("| method | " + " | ".join(f"{p} path" for p in paths) + " | " +
-          " | ".join(f"vs asyncio ({p})" for p in paths) + " |")
-    print("|---|" + "---:|" * (2 * len(paths)))
-    for name in next(iter(results.values())):
-        cells = [f"{results[p][name]:.2f}" for p in paths]
-        ratios = [f"{results[p][name] / results[p]['asyncio.create_subprocess_exec + wait']:.2f}x" for p in paths]
-        print(f"| {name} | " + " | ".join(cells + ratios) + " |")
-    best = paths[0]
-    whole = results[best]["begin + create_subprocess_exec + wait + complete"]
-    plain = results[best]["asyncio.create_subprocess_exec + wait"]
-    print(f"\n- whole turn on the {best} path: {whole / plain:.2f}x asyncio (target <= 1.5x)")
+    print_results(results, args.rounds)
+    print()
+    print_target(results)
     return 0
 
 
