@@ -141,18 +141,18 @@ def _reap(pid: int) -> int | None:
 
 def _read_available(fd: int) -> bytes:
     """The bytes in the pipe right now, without waiting for more (a survivor may keep writing)."""
+    chunks: list[bytes] = []
     try:
         (count,) = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, struct.pack("i", 0)))
-        chunks = []
         while count > 0:
             chunk = os.read(fd, count)
             if not chunk:
                 break
             chunks.append(chunk)
             count -= len(chunk)
-        return b"".join(chunks)
-    except BlockingIOError:
-        return b"".join(chunks)
+    except OSError:  # EAGAIN: another reader took it first; anything else: what was read stands
+        pass
+    return b"".join(chunks)
 
 
 class _Drainer:
