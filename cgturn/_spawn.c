@@ -24,8 +24,11 @@
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
+#include <pthread.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/xattr.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -44,6 +47,12 @@
 
 /* The child's stack: the target's exec loop, a few libc wrappers and the fd loop need far less. */
 #define CHILD_STACK_SIZE (256 * 1024)
+/* Stacks kept for the next spawns: a fresh mapping costs an mmap, a munmap and the child's page faults
+ * on every spawn (about 9 us here, measured against _posixsubprocess.fork_exec). Taken and returned
+ * with the GIL held, so the list needs no lock of its own; one per spawn in flight at once. */
+#define STACK_POOL_MAX 16
+static void *stack_pool[STACK_POOL_MAX];
+static int stack_pool_len;
 
 struct clone_args_v2 {  /* struct clone_args up to CLONE_ARGS_SIZE_VER2 (Linux 5.7) */
     uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls, set_tid,
@@ -242,6 +251,141 @@ static long clone3_call(struct clone_args_v2 *args, int (*fn)(void *), void *arg
 
 /* --- parent side ------------------------------------------------------------------------------ */
 
+/* Directory fds holding a shared flock while a checked spawn is in flight (see spawn_checked). A
+ * process forked meanwhile by another thread would share the lock through its copy of the fd (flock
+ * locks belong to the open file) and hold off every exclusive locker for as long as it lives: the
+ * fork's child closes its copies at once (closing, not unlocking, which would release ours too).
+ * Changed with the GIL held; os.fork holds it too, so the child sees a consistent list. */
+#define INFLIGHT_MAX 1024
+static int inflight[INFLIGHT_MAX];
+static int inflight_len;
+
+static void close_inflight_in_child(void)
+{
+    for (int i = 0; i < inflight_len; i++)
+        close(inflight[i]);
+    inflight_len = 0;
+}
+
+static int inflight_add(int fd)
+{
+    if (inflight_len == INFLIGHT_MAX)
+        return -1;
+    inflight[inflight_len++] = fd;
+    return 0;
+}
+
+static void inflight_remove(int fd)
+{
+    for (int i = 0; i < inflight_len; i++)
+        if (inflight[i] == fd) {
+            inflight[i] = inflight[--inflight_len];
+            return;
+        }
+}
+
+/* A checked spawn's target: clone into the directory `path` only if, under a shared flock on it,
+ * its xattr `key` still holds exactly `expected`. */
+struct checked {
+    const char *path, *key, *expected;
+    Py_ssize_t expected_len;
+    char *buf;  /* expected_len + 1 bytes: a longer value reads as a change (ERANGE) */
+};
+
+/* Directory fds of recent checked spawns, for the next spawn into the same path (an open of a
+ * cgroupfs path and its close cost more than the rest of the check). Each is used by one spawn at a
+ * time (a flock belongs to the open file: two spawns sharing one would unlock each other), so a
+ * path may have several. Changed with the GIL held. A kept fd pins its cgroup in the kernel after
+ * an rmdir (a "dying" cgroup) until it is evicted, so there are few. */
+#define DIR_POOL_MAX 16
+static struct {
+    PyObject *path;  /* bytes */
+    int fd;
+} dir_pool[DIR_POOL_MAX];
+static int dir_pool_len;
+
+static int dir_pool_take(PyObject *path)
+{
+    for (int i = dir_pool_len - 1; i >= 0; i--) {
+        PyObject *p = dir_pool[i].path;
+        if (PyBytes_GET_SIZE(p) == PyBytes_GET_SIZE(path)
+            && memcmp(PyBytes_AS_STRING(p), PyBytes_AS_STRING(path), (size_t)PyBytes_GET_SIZE(p)) == 0) {
+            int fd = dir_pool[i].fd;
+            Py_DECREF(p);
+            memmove(&dir_pool[i], &dir_pool[i + 1], sizeof(dir_pool[0]) * (size_t)(dir_pool_len - i - 1));
+            dir_pool_len--;
+            return fd;
+        }
+    }
+    return -1;
+}
+
+static void dir_pool_give(PyObject *path, int fd)
+{
+    if (dir_pool_len == DIR_POOL_MAX) {  /* the oldest goes */
+        close(dir_pool[0].fd);
+        Py_DECREF(dir_pool[0].path);
+        memmove(&dir_pool[0], &dir_pool[1], sizeof(dir_pool[0]) * (DIR_POOL_MAX - 1));
+        dir_pool_len--;
+    }
+    dir_pool[dir_pool_len].path = Py_NewRef(path);
+    dir_pool[dir_pool_len].fd = fd;
+    dir_pool_len++;
+}
+
+/* The clone, every signal blocked across it (see the top of this file); the pid, or -errno. */
+static long clone_child(struct clone_args_v2 *cl, struct child *c)
+{
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &c->mask);
+    long pid = clone3_call(cl, child_main, c);
+    pthread_sigmask(SIG_SETMASK, &c->mask, NULL);
+    return pid;
+}
+
+#define CHANGED (-(long)INT_MAX - 1)
+
+/* Under a shared flock on `fd`, clone into it if its xattr still holds chk->expected; the pid,
+ * CHANGED (nothing started), or -errno. The lock is held until the child has exec'd (CLONE_VFORK)
+ * and released before returning. No GIL: system calls only. */
+static long checked_clone(int fd, const struct checked *chk, struct clone_args_v2 *cl, struct child *c)
+{
+    int r;
+    do
+        r = flock(fd, LOCK_SH);
+    while (r != 0 && errno == EINTR);
+    if (r != 0)
+        return -errno;
+    long pid = CHANGED;
+    ssize_t n = fgetxattr(fd, chk->key, chk->buf, (size_t)chk->expected_len + 1);
+    if (n == chk->expected_len && memcmp(chk->buf, chk->expected, (size_t)n) == 0)
+        pid = clone_child(cl, c);
+    flock(fd, LOCK_UN);
+    return pid;
+}
+
+static void *take_stack(void)
+{
+    if (stack_pool_len > 0)
+        return stack_pool[--stack_pool_len];
+    void *stack = mmap(NULL, CHILD_STACK_SIZE, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+    if (stack == MAP_FAILED) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return NULL;
+    }
+    return stack;
+}
+
+static void give_stack(void *stack)
+{
+    if (stack_pool_len < STACK_POOL_MAX)
+        stack_pool[stack_pool_len++] = stack;
+    else
+        munmap(stack, CHILD_STACK_SIZE);
+}
+
 /* A NULL-terminated char* array pointing into the bytes objects of `seq` (kept alive in *keep). */
 static char **bytes_array(PyObject *seq, PyObject **keep)
 {
@@ -275,6 +419,34 @@ fail:
     return NULL;
 }
 
+/* The child's environment: `base` (a NULL-terminated KEY=VALUE array: env_list, or environ as execv
+ * would pass it) without the names `extra` sets, then `extra`. Pointers only, into strings that stay
+ * alive across the clone: env_list's are held by this call, and glibc's setenv/unsetenv never free a
+ * string once it was in environ (another thread may change the environment while the GIL is free). */
+static char **merged_env(char *const *base, char *const *extra, Py_ssize_t n_extra)
+{
+    Py_ssize_t n_base = 0, n = 0;
+    while (base[n_base])
+        n_base++;
+    char **out = PyMem_Calloc((size_t)(n_base + n_extra) + 1, sizeof(char *));
+    if (!out) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n_base; i++) {
+        const char *eq = strchr(base[i], '=');
+        size_t len = eq ? (size_t)(eq - base[i]) + 1 : strlen(base[i]);
+        int overridden = 0;
+        for (Py_ssize_t j = 0; j < n_extra && !overridden; j++)
+            overridden = strncmp(base[i], extra[j], len) == 0;
+        if (!overridden)
+            out[n++] = base[i];
+    }
+    for (Py_ssize_t j = 0; j < n_extra; j++)
+        out[n++] = extra[j];
+    return out;
+}
+
 static int *int_array(PyObject *seq, Py_ssize_t *count)
 {
     PyObject *fast = PySequence_Fast(seq, "expected a sequence of ints");
@@ -302,35 +474,58 @@ static int *int_array(PyObject *seq, Py_ssize_t *count)
 }
 
 PyDoc_STRVAR(spawn_doc,
-"spawn(args, executable_list, close_fds, fds_to_keep, cwd, env_list,\n"
+"spawn(args, executable_list, close_fds, fds_to_keep, cwd, env_list, extra_env,\n"
 "      p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, errpipe_write,\n"
-"      restore_signals, start_new_session, process_group, umask, cgroup_fd, join_fds) -> pid\n\n"
-"Start a child in the cgroup open at cgroup_fd (clone3 CLONE_INTO_CGROUP|CLONE_VFORK|CLONE_VM) and\n"
+"      restore_signals, start_new_session, process_group, umask, cgroup, join_fds) -> pid | None\n\n"
+"Start a child in a cgroup (clone3 CLONE_INTO_CGROUP|CLONE_VFORK|CLONE_VM) and\n"
 "exec the first of executable_list that runs. Arguments follow _posixsubprocess.fork_exec; join_fds\n"
-"are open cgroup.procs files (cgroup v1) the child joins first. Exec failures are written to\n"
-"errpipe_write as 'OSError:<hex errno>:<stage>'. Raises OSError when clone3 itself fails.");
+"are open cgroup.procs files (cgroup v1) the child joins first. extra_env (KEY=VALUE bytes) is\n"
+"added to env_list (None: this process's environment), replacing the variables it names.\n"
+"cgroup is the fd of an open cgroup directory (-1: none), or (path, key, expected): then the\n"
+"directory is opened and locked (flock LOCK_SH, held until the child has exec'd) and the child is\n"
+"cloned only if its xattr key still holds exactly expected; None, starting nothing, if not.\n"
+"Exec failures are written to errpipe_write as 'OSError:<hex errno>:<stage>'.\n"
+"Raises OSError when the open, the lock or clone3 itself fails.");
 
 static PyObject *spawn(PyObject *self, PyObject *a)
 {
-    PyObject *args, *exec_list, *keep_seq, *cwd_obj, *env_obj, *join_seq;
-    int close_fds, restore_signals, start_new_session, cgroup_fd;
+    PyObject *args, *exec_list, *keep_seq, *cwd_obj, *env_obj, *extra_obj, *cgroup_obj, *join_seq;
+    int close_fds, restore_signals, start_new_session, cgroup_fd = -1;
+    struct checked chk = {0};
+    PyObject *path_arg = NULL, *path_obj = NULL;
     struct child c;
     memset(&c, 0, sizeof c);
-    if (!PyArg_ParseTuple(a, "OOpOOOiiiiiiippiiiO:spawn", &args, &exec_list, &close_fds, &keep_seq,
-                          &cwd_obj, &env_obj, &c.p2cread, &c.p2cwrite, &c.c2pread, &c.c2pwrite,
+    if (!PyArg_ParseTuple(a, "OOpOOOOiiiiiiippiiOO:spawn", &args, &exec_list, &close_fds, &keep_seq,
+                          &cwd_obj, &env_obj, &extra_obj, &c.p2cread, &c.p2cwrite, &c.c2pread, &c.c2pwrite,
                           &c.errread, &c.errwrite, &c.errpipe_write, &restore_signals,
-                          &start_new_session, &c.process_group, &c.umask_value, &cgroup_fd, &join_seq))
+                          &start_new_session, &c.process_group, &c.umask_value, &cgroup_obj, &join_seq))
         return NULL;
+    if (PyTuple_Check(cgroup_obj)) {
+        if (!PyArg_ParseTuple(cgroup_obj, "Oyy#:cgroup", &path_arg, &chk.key, &chk.expected, &chk.expected_len)
+            || !PyUnicode_FSConverter(path_arg, &path_obj))
+            return NULL;
+        chk.path = PyBytes_AS_STRING(path_obj);
+    } else {
+        long fd = PyLong_AsLong(cgroup_obj);
+        if (fd == -1 && PyErr_Occurred())
+            return NULL;
+        cgroup_fd = fd >= 0 && fd <= INT_MAX ? (int)fd : -1;
+    }
     c.close_fds = close_fds;
     c.restore_signals = restore_signals;
     c.start_new_session = start_new_session;
 
-    PyObject *keep_argv = NULL, *keep_exec = NULL, *keep_env = NULL, *result = NULL;
-    char **argv = NULL, **execs = NULL, **envp = NULL;
+    PyObject *keep_argv = NULL, *keep_exec = NULL, *keep_env = NULL, *keep_extra = NULL, *result = NULL;
+    char **argv = NULL, **execs = NULL, **envp = NULL, **extra = NULL, **merged = NULL;
     int *keep = NULL, *join = NULL;
     if (!(argv = bytes_array(args, &keep_argv)) || !(execs = bytes_array(exec_list, &keep_exec)))
         goto done;
     if (env_obj != Py_None && !(envp = bytes_array(env_obj, &keep_env)))
+        goto done;
+    if (!(extra = bytes_array(extra_obj, &keep_extra)))
+        goto done;
+    Py_ssize_t n_extra = PyTuple_GET_SIZE(keep_extra);
+    if (n_extra > 0 && !(merged = merged_env(envp ? envp : environ, extra, n_extra)))
         goto done;
     if (cwd_obj != Py_None && !PyBytes_Check(cwd_obj)) {
         PyErr_SetString(PyExc_TypeError, "cwd must be bytes or None");
@@ -340,54 +535,97 @@ static PyObject *spawn(PyObject *self, PyObject *a)
         goto done;
     c.argv = argv;
     c.exec_list = execs;
-    c.envp = envp;
+    c.envp = merged ? merged : envp;
     c.cwd = cwd_obj == Py_None ? NULL : PyBytes_AS_STRING(cwd_obj);
     c.keep = keep;
     c.join = join;
     long max_fd = sysconf(_SC_OPEN_MAX);
     c.max_fd = max_fd > 0 && max_fd < INT_MAX ? (int)max_fd : 65536;
 
-    void *stack = mmap(NULL, CHILD_STACK_SIZE, PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
-    if (stack == MAP_FAILED) {
-        PyErr_SetFromErrno(PyExc_OSError);
+    if (chk.path && !(chk.buf = PyMem_Malloc((size_t)chk.expected_len + 1))) {
+        PyErr_NoMemory();
         goto done;
     }
+    void *stack = take_stack();
+    if (!stack)
+        goto done;
     struct clone_args_v2 cl;
     memset(&cl, 0, sizeof cl);
-    cl.flags = CLONE_VM | CLONE_VFORK | (cgroup_fd >= 0 ? CLONE_INTO_CGROUP : 0);
+    cl.flags = CLONE_VM | CLONE_VFORK | (cgroup_fd >= 0 || chk.path ? CLONE_INTO_CGROUP : 0);
     cl.exit_signal = SIGCHLD;
     cl.stack = (uint64_t)(uintptr_t)stack;
     cl.stack_size = CHILD_STACK_SIZE;
     cl.cgroup = cgroup_fd >= 0 ? (uint64_t)cgroup_fd : 0;
 
-    sigset_t all;
-    sigfillset(&all);
-    long pid;
-    int saved_errno = 0;
-    Py_BEGIN_ALLOW_THREADS
-    pthread_sigmask(SIG_SETMASK, &all, &c.mask);
-    pid = clone3_call(&cl, child_main, &c);
-    pthread_sigmask(SIG_SETMASK, &c.mask, NULL);
-    Py_END_ALLOW_THREADS
-    if (pid < 0)
-        saved_errno = (int)-pid;
-    munmap(stack, CHILD_STACK_SIZE);
+    long pid = 0;
+    int saved_errno = 0, changed = 0;
+    if (!chk.path) {
+        Py_BEGIN_ALLOW_THREADS
+        pid = clone_child(&cl, &c);
+        Py_END_ALLOW_THREADS
+        if (pid < 0)
+            saved_errno = (int)-pid;
+    }
+    /* A checked spawn: first with a directory fd kept from an earlier spawn into the same path; if
+     * that says "changed" or ENODEV, the directory may have been removed (and made again) since, so
+     * a fresh open decides. */
+    for (int fresh = 0; chk.path && fresh < 2; fresh++) {
+        int fd = fresh ? -1 : dir_pool_take(path_obj);
+        int pooled = fd >= 0;
+        if (!pooled && (fd = open(chk.path, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
+            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path_arg);
+            goto done_stack;
+        }
+        if (inflight_add(fd) != 0) {
+            close(fd);
+            PyErr_SetString(PyExc_RuntimeError, "too many checked spawns in flight");
+            goto done_stack;
+        }
+        cl.cgroup = (uint64_t)fd;
+        Py_BEGIN_ALLOW_THREADS
+        pid = checked_clone(fd, &chk, &cl, &c);
+        Py_END_ALLOW_THREADS
+        inflight_remove(fd);
+        changed = pid == CHANGED;
+        saved_errno = pid < 0 && !changed ? (int)-pid : 0;
+        if (pooled && (changed || saved_errno == ENODEV)) {
+            close(fd);
+            continue;
+        }
+        if (saved_errno)
+            close(fd);
+        else
+            dir_pool_give(path_obj, fd);
+        break;
+    }
+    give_stack(stack);
     if (saved_errno) {
         errno = saved_errno;
         PyErr_SetFromErrno(PyExc_OSError);
         goto done;
     }
+    if (changed) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
     result = PyLong_FromLong(pid);
+    goto done;
+done_stack:
+    give_stack(stack);
 done:
+    PyMem_Free(chk.buf);
+    Py_XDECREF(path_obj);
     PyMem_Free(argv);
     PyMem_Free(execs);
     PyMem_Free(envp);
+    PyMem_Free(extra);
+    PyMem_Free(merged);
     PyMem_Free(keep);
     PyMem_Free(join);
     Py_XDECREF(keep_argv);
     Py_XDECREF(keep_exec);
     Py_XDECREF(keep_env);
+    Py_XDECREF(keep_extra);
     return result;
 }
 
@@ -403,5 +641,9 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__spawn(void)
 {
+    if (pthread_atfork(NULL, NULL, close_inflight_in_child) != 0) {
+        PyErr_SetString(PyExc_ImportError, "cgturn._spawn: pthread_atfork failed");
+        return NULL;
+    }
     return PyModule_Create(&module);
 }

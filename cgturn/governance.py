@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import ids, keys, leases, reasons
-from .errors import AlreadyRunning, NoSuchTurn, UnsafeOperation
+from .errors import AlreadyRunning, CgturnError, NoSuchTurn, UnsafeOperation
 from .logfields import turn_fields
 from .kernel import procfs
 from .limits import Limits, Usage, stored_limits
@@ -132,10 +132,19 @@ class GovernanceMixin:
 
         rec = self._live_record(task_key, turn_key)
         self._refuse_if_caller_inside(rec, "freeze")
-        pids = self.backend.freeze_members(rec, True)
-        now = time.time()
-        self.backend.transition(task_key, turn_key, {RUNNING, COMPLETED}, rec.state,
-                                {"frozen_by": by, "frozen_at": now}, when=lambda r: r.frozen_by is None)
+        # Marked before the freeze is written: a native spawn reads the mark under the turn's lock
+        # and leaves a marked turn to the shim, so it never clones a vfork child into a frozen
+        # cgroup (its caller would wait for the thaw; backends/spawn_paths.py).
+        marked, _ = self.backend.transition(task_key, turn_key, {RUNNING, COMPLETED}, rec.state,
+                                            {"frozen_by": by, "frozen_at": time.time()},
+                                            when=lambda r: r.frozen_by is None)
+        try:
+            pids = self.backend.freeze_members(rec, True)
+        except (CgturnError, OSError):  # refused, or the write failed: not frozen, so not marked either
+            if marked:
+                self.backend.transition(task_key, turn_key, {RUNNING, COMPLETED}, rec.state,
+                                        {"frozen_by": None, "frozen_at": None}, when=lambda r: r.frozen_by == by)
+            raise
         audit.record_action(self.state_dir, action="freeze", task=rec.task_id, turn=rec.turn_id, reason=by,
                             pids=pids, backend=self.backend.name)
         return pids

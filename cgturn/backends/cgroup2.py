@@ -75,6 +75,8 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
         # fds holding the network namespaces of turns begun here with network="none" (kernel/netns.py)
         self._netns: dict[tuple[str, str], int] = {}
         self._netns_lock = threading.Lock()
+        # What the native spawn path keeps per turn (spawn_paths._prepared)
+        self.spawn_prepared: dict = {}
 
     @property
     def gates(self) -> "SpawnGates":
@@ -234,16 +236,17 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
     # --- membership -------------------------------------------------------------------------------
 
     def spawn(self, record, argv, popen_kwargs) -> "subprocess.Popen":
-        import subprocess
-
         from . import spawn_paths  # what spawns needs, a listing does not
 
         # Straight into the cgroup when the native path can honour the request (spawn_paths.py);
         # else, or when it hands the spawn back, the shim below.
-        if spawn_paths.choose(record, popen_kwargs) == spawn_paths.CLONE3:
-            proc = spawn_paths.spawn_clone3(self, record, argv, popen_kwargs)
+        way = spawn_paths.choose(record, popen_kwargs)
+        if way != spawn_paths.SHIM:
+            proc = spawn_paths.spawn_native(self, record, way, argv, popen_kwargs)
             if proc is not None:
                 return proc
+        import subprocess
+
         argv, program, kwargs, identity = prepare_spawn(argv, popen_kwargs)
         # Run by the shim after "go", in this order: inside the turn, as the caller, before the target.
         steps = isolation.drop_privileges(identity, record.sealed)

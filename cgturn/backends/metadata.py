@@ -230,6 +230,12 @@ def _new_token() -> bytes:
     return b"%s-%x" % (_TOKENS[1], next(_TOKENS[2]))
 
 
+def record_from_xattr(raw: bytes, path: str) -> TurnRecord | None:
+    """The record in the `user.cgturn` value `raw` read from the turn directory at `path`, if it is
+    that directory's record (as `MetadataStore.load` verifies it); None otherwise."""
+    return verified(_decode(raw), path)[0]
+
+
 _DECODER = json.JSONDecoder()
 _ENCODER = json.JSONEncoder(ensure_ascii=False)  # json.dumps with a keyword builds one per call
 _STR_FIELDS = ("task_id", "turn_id", "task_key", "turn_key", "state")

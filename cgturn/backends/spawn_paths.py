@@ -1,24 +1,29 @@
-"""Which way `Turn.spawn` starts a process on cgroup v2, and the native way itself.
+"""Which way `Turn.spawn` starts a process on cgroup v2, and the native ways themselves.
 
 Paths, preferred first:
 - "clone3": the C extension `cgturn._spawn` clones the child straight into the turn's cgroup
   (clone3 CLONE_INTO_CGROUP, Linux 5.7+) and execs the target: no shim, no migration (kernel/spawn.py).
+- "posix_spawn": where the extension is not built, glibc 2.39+'s posix_spawn does the same
+  (posix_spawnattr_setcgroup_np; kernel/posix_spawn.py), for the options it can honour.
 - "shim": the gated /bin/sh shim (cgroup2.py, gates.py): works everywhere, honours every option.
 
-A request goes to the first path that can honour it: the native path honours the Popen options in
-`CLONE3_OPTIONS` on a turn without isolation (sealed, network); anything else (preexec_fn, user=,
-group=, options added later) goes to the shim unchanged. On hybrid hosts a turn with v1 directories
-is joined by the child itself before it execs: it writes "0" (itself) to each v1 cgroup.procs,
-opened by the parent (open and write are async-signal-safe), so v1 limits hold before the target runs.
+A request goes to the first path that can honour it: the native paths honour the Popen options in
+`NATIVE_OPTIONS` on a turn without isolation (sealed, network); anything else (preexec_fn, user=,
+group=, options added later) goes to the shim unchanged. posix_spawn also hands over what it finds
+it cannot do once Popen has arranged the request (kernel/posix_spawn.py: umask, pass_fds, ...). On
+hybrid hosts a turn with v1 directories is joined by the child itself before it execs (clone3
+only): it writes "0" (itself) to each v1 cgroup.procs, opened by the parent (open and write are
+async-signal-safe), so v1 limits hold before the target runs.
 
 The abandon race (issue 16): the spawn holds a shared flock on the turn directory across its state
 check and the clone; `transition` (which marks a turn abandoned) takes it exclusively. So either the
 spawn sees the mark and starts nothing, or its child is in the turn before the mark and the kill
 that follows the mark takes it.
 
-Capabilities are decided once, without writing (`can_clone3`: the extension is importable), and
-switched off on the first refusal by the kernel (clone3 or CLONE_INTO_CGROUP missing, or a seccomp
-filter). Tests set the flag to force the shim (trio's `can_try_pidfd_open`).
+Capabilities are decided once, without writing (`can_clone3`: the extension is importable;
+`can_posix_spawn`: the C library has posix_spawnattr_setcgroup_np), and switched off on the first
+refusal by the kernel (clone3 or CLONE_INTO_CGROUP missing, or a seccomp filter). Tests set the
+flags to force a path (trio's `can_try_pidfd_open`).
 """
 from __future__ import annotations
 
@@ -27,11 +32,14 @@ import logging
 from typing import TYPE_CHECKING
 
 from ..errors import KernelError, NoSuchTurn
+from ..kernel import posix_spawn
 from ..logfields import turn_fields
 from ..kernel import spawn as kspawn
-from ..kernel.cgroupfiles import FREEZE_FILE
+from ..kernel.cgroupfiles import xattr_or_none
+from ..kernel.cgroupfs import Cgroup
 from ..model import RUNNING
 from .base import normalize_spawn
+from .metadata import XATTR_KEY, record_from_xattr
 
 if TYPE_CHECKING:
     import subprocess
@@ -41,19 +49,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cgturn")
 
-CLONE3, SHIM = "clone3", "shim"
-CLONE3_OPTIONS = frozenset({
+CLONE3, POSIX_SPAWN, SHIM = "clone3", "posix_spawn", "shim"
+NATIVE_OPTIONS = frozenset({
     "stdin", "stdout", "stderr", "cwd", "env", "close_fds", "pass_fds", "start_new_session", "process_group",
     "umask", "restore_signals", "text", "universal_newlines", "encoding", "errors", "bufsize", "shell",
     "preexec_fn",  # None only (checked below)
 })
 
 can_clone3 = kspawn.clone3_built()
+can_posix_spawn = posix_spawn.available()
 
 
 def available() -> list[str]:
     """The spawn paths usable here, preferred first (what `cgturn doctor` shows)."""
-    return ([CLONE3] if can_clone3 else []) + [SHIM]
+    return [path for path, usable in ((CLONE3, can_clone3), (POSIX_SPAWN, can_posix_spawn), (SHIM, True)) if usable]
 
 
 def choose(record: "TurnRecord", popen_kwargs: dict) -> str:
@@ -65,73 +74,174 @@ def choose(record: "TurnRecord", popen_kwargs: dict) -> str:
 
 
 def _choose(record: "TurnRecord", popen_kwargs: dict) -> tuple[str, str]:
-    if not can_clone3:
-        return SHIM, "clone3 unavailable"
+    native = CLONE3 if can_clone3 else POSIX_SPAWN if can_posix_spawn else None
+    if native is None:
+        return SHIM, "no native path here"
     if getattr(record, "sealed", False) or getattr(record, "network", "host") not in (None, "host"):
         return SHIM, "an isolated turn"
-    others = sorted(k for k, v in popen_kwargs.items() if k not in CLONE3_OPTIONS and v is not None)
-    if others:
-        return SHIM, f"clone3 cannot honour {', '.join(others)}"
-    if popen_kwargs.get("preexec_fn") is not None:
-        return SHIM, "clone3 cannot honour preexec_fn"
-    return CLONE3, "all options honoured"
+    if native == POSIX_SPAWN and record.v1_dirs:
+        return SHIM, "posix_spawn cannot join v1 cgroups"
+    if popen_kwargs:
+        others = sorted(k for k, v in popen_kwargs.items() if k not in NATIVE_OPTIONS and v is not None)
+        if others:
+            return SHIM, f"{native} cannot honour {', '.join(others)}"
+        if popen_kwargs.get("preexec_fn") is not None:
+            return SHIM, f"{native} cannot honour preexec_fn"
+    return native, "all options honoured"
 
 
-def spawn_clone3(backend: "Cgroup2Backend", record: "TurnRecord", argv, popen_kwargs: dict) -> "subprocess.Popen | None":
-    """Start the process in the turn with clone3; None, having started nothing, when the shim must
-    take this spawn: the kernel refuses clone3 into a cgroup (every later spawn takes the shim too),
-    the turn is frozen (a vfork child frozen before exec would hold the caller until the thaw), or
-    it got v1 directories after `record` was read.
+def spawn_native(backend: "Cgroup2Backend", record: "TurnRecord", way: str, argv,
+                 popen_kwargs: dict) -> "subprocess.Popen | None":
+    """Start the process in the turn the native way `way` (CLONE3 or POSIX_SPAWN); None, having
+    started nothing, when the shim must take this spawn: the kernel refuses clone3 into a cgroup
+    (every later spawn takes the shim too), the turn is frozen (a vfork child frozen before exec
+    would hold the caller until the thaw), it got v1 directories after `record` was read, or
+    posix_spawn cannot honour the request.
 
     Raises:
         NoSuchTurn: the turn is not running (marked, or its directory gone).
         KernelError: the child could not join the turn's v1 cgroups for another reason.
         OSError: as Popen, for the target program (FileNotFoundError, PermissionError, ...).
     """
-    global can_clone3
+    global can_clone3, can_posix_spawn
     argv, kwargs = normalize_spawn(argv, popen_kwargs)
     kwargs.pop("preexec_fn", None)
-    cg = backend._cg(record)
-    v1 = [f"{path}/cgroup.procs" for path in backend.layout.v1_dirs(record.task_key, record.turn_key).values()] \
-        if record.v1_dirs else []
-
-    def may_spawn() -> bool:  # under the shared lock: no transition can happen meanwhile
-        current = backend.meta.load(cg)
-        if current is None or current.state != RUNNING:
-            return False
-        if current.v1_dirs and not v1:
-            raise _UseShim("the turn got v1 directories")
-        # A freeze is written before its mark (manager.freeze_turn): the file tells it sooner.
-        if current.frozen_by is not None or cg.read(FREEZE_FILE).strip() == "1":
-            raise _UseShim("the turn is frozen")
-        return True
-
-    gone = NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} ended while spawning")
+    path, v1, env = _prepared(backend, record)
     try:
-        proc = kspawn.spawn_into(cg.path, v1, may_spawn, argv, backend.env_for(record), kwargs)
-    except _UseShim as why:
+        if way == CLONE3:
+            proc = _start(backend, path, v1, env, argv, kwargs)
+        else:
+            proc = kspawn.spawn_into(path, v1, lambda fd: _may_spawn(backend, path, fd, bool(v1)), argv, env,
+                                     kwargs, popen=posix_spawn.PosixSpawnPopen)
+    except (_UseShim, posix_spawn.CannotHonour) as why:
         log.debug("spawn path for turn %r: shim (%s)", record.turn_id, why,
                   extra=turn_fields(record.task_id, record.turn_id))
         return None
     except kspawn.CloneUnsupported as err:
-        log.info("clone3 into a cgroup refused by the kernel (%s); spawning through the shim", err)
-        can_clone3 = False
+        log.info("%s into a cgroup refused by the kernel (%s); spawning through the shim", way, err)
+        if way == CLONE3:
+            can_clone3 = False
+        else:
+            can_posix_spawn = False
         return None
     except kspawn.CgroupJoinError as err:
         if err.errno in (errno.ENOENT, errno.ENODEV, errno.ESRCH):
-            raise gone from None
+            raise _gone(record) from None
         raise KernelError(f"join the v1 cgroups of turn {record.turn_id!r} through", ", ".join(v1), err) from None
     except FileNotFoundError as err:
-        if err.filename in (cg.path, *v1) or err.filename == cg.file(FREEZE_FILE):
-            raise gone from None
+        if err.filename in (path, *v1):
+            raise _gone(record) from None
         raise
     except OSError as err:
-        if err.errno == errno.ENODEV:  # the cgroup was removed between the check and the clone
-            raise gone from None
+        if err.errno == errno.ENODEV and err.filename is None:  # the cgroup was removed meanwhile
+            raise _gone(record) from None
         raise
     if proc is None:
-        raise gone
+        raise _gone(record)
     return proc
+
+
+_XATTR_KEY_BYTES = XATTR_KEY.encode()
+# How often a spawn compares the record with the one it last saw before it reads and checks it
+# under the lock from Python (each miss means the record changed in between: a state change).
+CHECKED_ATTEMPTS = 3
+
+
+def _start(backend: "Cgroup2Backend", path: str, v1: list[str], env: tuple[bytes, ...], argv,
+           kwargs: dict) -> "subprocess.Popen | None":
+    """Clone into the turn directory `path` if its record allows it (see _may_spawn); None if not.
+
+    The usual way is one call into the extension: it takes the shared lock, compares the record's
+    xattr with bytes that were already found to allow a spawn, and clones; no Python runs under
+    the lock. A record seen for the first time (or changed since) is read and judged first.
+    Records kept in files (no xattrs) are read and judged under the lock in Python.
+    """
+    if backend.meta.use_xattrs:
+        joins_v1 = bool(v1)
+        for _ in range(CHECKED_ATTEMPTS):
+            seen = _cleared.get(path)
+            if seen is None or seen[1] != joins_v1:
+                raw = xattr_or_none(path, XATTR_KEY)
+                if raw is None:
+                    break  # no record xattr: the locked way decides (a file record, a new turn)
+                if not _allows(record_from_xattr(raw, path), joins_v1):
+                    return None  # a record never returns to "running": no lock needed to say no
+                _remember(path, raw, joins_v1)
+            else:
+                raw = seen[0]
+            proc = kspawn.spawn_if_unchanged(path, _XATTR_KEY_BYTES, raw, v1, argv, env, kwargs)
+            if proc is not None:
+                return proc
+            _cleared.pop(path, None)
+    return kspawn.spawn_into(path, v1, lambda fd: _may_spawn(backend, path, fd, bool(v1)), argv, env, kwargs)
+
+
+# Per (backend, turn): the turn directory, its v1 cgroup.procs files and its CGTURN_* environment,
+# which are fixed for the turn's life.
+_PREPARED_MAX = 1024
+
+
+def _prepared(backend: "Cgroup2Backend", record: "TurnRecord") -> tuple[str, list[str], tuple[bytes, ...]]:
+    key = (record.task_key, record.turn_key, record.v1_dirs)
+    cache = backend.spawn_prepared
+    found = cache.get(key)
+    if found is None:
+        path = backend._cg(record).path
+        v1 = [f"{d}/cgroup.procs" for d in backend.layout.v1_dirs(record.task_key, record.turn_key).values()] \
+            if record.v1_dirs else []
+        found = (path, v1, kspawn.environment_entries(backend.env_for(record)))
+        if len(cache) >= _PREPARED_MAX:
+            cache.clear()
+        cache[key] = found
+    return found
+
+
+# Turn directory -> (its record's xattr value, v1 joined): values that were found to say "running,
+# not frozen" (see _allows). Equal bytes are an equal record, so the next spawn into that turn only
+# compares bytes, under the lock, in the extension.
+_cleared: dict[str, tuple[bytes, bool]] = {}
+_CLEARED_MAX = 1024
+
+
+def _remember(path: str, raw: bytes, joins_v1: bool) -> None:
+    if len(_cleared) >= _CLEARED_MAX:
+        _cleared.clear()
+    _cleared[path] = (raw, joins_v1)
+
+
+def _allows(current: "TurnRecord | None", joins_v1: bool) -> bool:
+    """Whether the turn's record lets a clone into it go ahead.
+
+    The record is the whole answer. It says "not running" once a turn is marked. It says "frozen"
+    before its cgroup is: manager.freeze_turn marks the turn (under the exclusive lock) before it
+    writes cgroup.freeze, so while a spawn holds the shared lock an unmarked turn cannot become
+    frozen before the child has exec'd. (A freeze written behind cgturn's back, or one of an
+    ancestor, holds the spawning thread until the thaw: docs/design.md.)
+
+    Raises _UseShim when the shim must take the spawn (frozen; v1 directories we do not join).
+    """
+    if current is None or current.state != RUNNING:
+        return False
+    if current.v1_dirs and not joins_v1:
+        raise _UseShim("the turn got v1 directories")
+    if current.frozen_by is not None:
+        raise _UseShim("the turn is frozen")
+    return True
+
+
+def _may_spawn(backend: "Cgroup2Backend", path: str, fd: int, joins_v1: bool) -> bool:
+    """_allows for the record read now, under the shared lock on the turn directory (open at `fd`)."""
+    raw = xattr_or_none(fd, XATTR_KEY) if backend.meta.use_xattrs else None
+    current = backend.meta.load(Cgroup(path)) if raw is None else record_from_xattr(raw, path)
+    if not _allows(current, joins_v1):
+        return False
+    if raw is not None:
+        _remember(path, raw, joins_v1)
+    return True
+
+
+def _gone(record: "TurnRecord") -> NoSuchTurn:
+    return NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} ended while spawning")
 
 
 class _UseShim(Exception):

@@ -87,6 +87,15 @@ def get_xattr(path: str, key: str) -> bytes:
         raise
 
 
+def xattr_or_none(where: str | int, key: str) -> bytes | None:
+    """xattr `key` of a path (one XATTR_READ_SIZE read, as get_xattr) or of an open fd; None when it
+    cannot be had (absent, refused, gone): for callers that then ask a reader that decides why."""
+    try:
+        return get_xattr(where, key) if isinstance(where, str) else os.getxattr(where, key)
+    except OSError:
+        return None
+
+
 def child_entries(path: str | int) -> list[tuple[str, int]]:
     """(name, cgroup id) of the cgroups directly below `path` (a path or an open directory fd);
     [] when it is gone. The id is the kernfs inode number getdents reports, so no stat is needed."""

@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 import threading
-from typing import Callable, Iterable
+from typing import Callable
 
 try:
     import cgturn._spawn as _spawn  # the C extension: kernel I/O, like this module
@@ -66,12 +66,40 @@ os.register_at_fork(before=lambda: _inflight_lock.acquire(), after_in_parent=lam
                     after_in_child=_close_inflight_in_child)
 
 
-def spawn_into(cgroup_dir: str, v1_procs: list[str], may_spawn: Callable[[], bool], argv,
-               extra_env: dict[str, str], popen_kwargs: dict) -> "CgroupPopen | None":
-    """Start `argv` (Popen kwargs `popen_kwargs`, environment plus `extra_env`) in the cgroup
-    `cgroup_dir`, and in the v1 cgroups whose cgroup.procs files are `v1_procs`, before it runs.
+def environment_entries(extra: dict[str, str]) -> tuple[bytes, ...]:
+    """`extra` as the KEY=VALUE bytes CgroupPopen adds to a child's environment."""
+    return tuple(os.fsencode(k) + b"=" + os.fsencode(v) for k, v in extra.items())
 
-    `may_spawn()` is asked under a shared flock on `cgroup_dir`, held until the child has exec'd.
+
+def spawn_if_unchanged(cgroup_dir: str, key: bytes, expected: bytes, v1_procs: list[str], argv,
+                       extra_env: tuple[bytes, ...], popen_kwargs: dict) -> "CgroupPopen | None":
+    """Start `argv` (Popen kwargs `popen_kwargs`, environment plus `extra_env`: KEY=VALUE bytes) in
+    the cgroup `cgroup_dir`, and in the v1 cgroups whose cgroup.procs files are `v1_procs`, before it
+    runs, if the directory's xattr `key` holds exactly `expected` under a shared flock on it, held
+    until the child has exec'd (all of it in the extension, without the GIL).
+
+    Returns None, starting nothing, when the xattr differs (or is absent).
+    Raises: as `spawn_into`.
+    """
+    target = (cgroup_dir, key, expected)
+    try:
+        if not v1_procs:
+            return CgroupPopen(argv, cgroup=target, extra_env=extra_env, **popen_kwargs)
+        return _with_joins(v1_procs, lambda join: CgroupPopen(
+            argv, cgroup=target, join_fds=join, extra_env=extra_env, **popen_kwargs))
+    except _Changed:
+        return None
+
+
+def spawn_into(cgroup_dir: str, v1_procs: list[str], may_spawn: Callable[[int], bool], argv,
+               extra_env: tuple[bytes, ...], popen_kwargs: dict, popen=None) -> "subprocess.Popen | None":
+    """Start `argv` (Popen kwargs `popen_kwargs`, environment plus `extra_env`: KEY=VALUE bytes) in
+    the cgroup `cgroup_dir`, and in the v1 cgroups whose cgroup.procs files are `v1_procs`, before it runs.
+
+    `may_spawn(fd)` is asked with `fd` open on `cgroup_dir` (for reads relative to it) under a shared
+    flock on it, held until the child has exec'd. `popen`: the Popen class that starts it, called
+    with `cgroup=fd`, `join_fds` and `extra_env` (default CgroupPopen; kernel/posix_spawn.py has the
+    C library's).
 
     Returns None, starting nothing, when `may_spawn()` says no.
     Raises:
@@ -84,63 +112,50 @@ def spawn_into(cgroup_dir: str, v1_procs: list[str], may_spawn: Callable[[], boo
     with _inflight_lock:
         fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         _inflight.add(fd)
-    join: list[int] = []
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
-        if not may_spawn():
+        if not may_spawn(fd):
             return None
-        for path in v1_procs:
-            join.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
-        return CgroupPopen(argv, cgroup_fd=fd, join_fds=join, extra_env=extra_env, **popen_kwargs)
+        return _with_joins(v1_procs, lambda join: (popen or CgroupPopen)(
+            argv, cgroup=fd, join_fds=join, extra_env=extra_env, **popen_kwargs))
     finally:
-        for jfd in join:
-            os.close(jfd)
         with _inflight_lock:
             _inflight.discard(fd)
             os.close(fd)
 
 
+def _with_joins(v1_procs: list[str], start: Callable[[list[int]], "CgroupPopen"]) -> "CgroupPopen":
+    """start(fds of the open v1 cgroup.procs files), closing them after."""
+    join: list[int] = []
+    try:
+        for path in v1_procs:
+            join.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+        return start(join)
+    finally:
+        for jfd in join:
+            os.close(jfd)
+
+
+class _Changed(Exception):
+    """A checked spawn found the xattr changed: nothing was started (Popen has closed its pipes)."""
+
+
 class CgroupPopen(subprocess.Popen):
-    """A subprocess.Popen whose child starts in the cgroup open at `cgroup_fd` (see the module doc).
+    """A subprocess.Popen whose child starts in a cgroup, its environment (inherited, or `env=`) plus
+    `extra_env` (KEY=VALUE bytes, which win). `cgroup`: an open cgroup directory fd, or (path, xattr
+    key, expected value) for a checked spawn (see `spawn_if_unchanged`).
     Options it cannot honour (preexec_fn, user, group, extra_groups) raise ValueError."""
 
-    def __init__(self, args, *, cgroup_fd: int, join_fds=(), extra_env: dict[str, str] | None = None, **kwargs):
-        self._cgroup_fd, self._join_fds = cgroup_fd, tuple(join_fds)
-        self._extra_env = {os.fsencode(k): os.fsencode(v) for k, v in (extra_env or {}).items()}
+    def __init__(self, args, *, cgroup, join_fds=(), extra_env: tuple[bytes, ...] = (), **kwargs):
+        self._cgroup, self._join_fds, self._extra_env = cgroup, tuple(join_fds), extra_env
         super().__init__(args, **kwargs)
-
-    def _env_list(self, env) -> list[bytes]:
-        """Popen's environment as KEY=VALUE bytes, with the extra variables (which win)."""
-        extra = self._extra_env
-        items: Iterable[tuple[bytes, bytes]]
-        if env is None:
-            items = os.environb.items()
-        else:
-            items = [(os.fsencode(k), os.fsencode(v)) for k, v in env.items()]
-        out = []
-        for k, v in items:
-            if b"=" in k:
-                raise ValueError("illegal environment variable name")
-            if k not in extra:
-                out.append(k + b"=" + v)
-        out.extend(k + b"=" + v for k, v in extra.items())
-        return out
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
                        restore_signals, gid, gids, uid, umask, start_new_session, process_group):
         if preexec_fn is not None or gid is not None or gids is not None or uid is not None:
             raise ValueError("CgroupPopen cannot honour preexec_fn, user, group or extra_groups")
-        if isinstance(args, (str, bytes, os.PathLike)):
-            args = [args]
-        else:
-            args = list(args)
-        if shell:
-            args = ["/bin/sh", "-c", *args]
-            if executable:
-                args[0] = executable
-        if executable is None:
-            executable = args[0]
+        args, executable = child_argv(args, executable, shell)
         sys.audit("subprocess.Popen", executable, args, cwd, env)
         orig_executable = executable
 
@@ -153,7 +168,7 @@ class CgroupPopen(subprocess.Popen):
             os.close(fd)
         try:
             try:
-                env_list = self._env_list(env) if env is not None or self._extra_env else None
+                env_list = None if env is None else _env_list(env)  # the extension adds extra_env
                 executable = os.fsencode(executable)
                 executable_list: tuple[bytes, ...]
                 if os.path.dirname(executable):
@@ -163,15 +178,19 @@ class CgroupPopen(subprocess.Popen):
                 keep = tuple(sorted({*map(int, pass_fds), errpipe_write}))
                 cwd_bytes = None if cwd is None else os.fsencode(cwd)
                 try:
-                    self.pid = _spawn.spawn(
+                    pid = _spawn.spawn(
                         [os.fsencode(a) for a in args], executable_list, close_fds, keep, cwd_bytes, env_list,
+                        self._extra_env,
                         p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, errpipe_write,
-                        restore_signals, start_new_session, process_group, umask, self._cgroup_fd,
+                        restore_signals, start_new_session, process_group, umask, self._cgroup,
                         self._join_fds)
                 except OSError as err:
-                    if err.errno in UNSUPPORTED:
+                    if err.errno in UNSUPPORTED and err.filename is None:
                         raise CloneUnsupported(err.errno, f"clone3(CLONE_INTO_CGROUP): {err.strerror}") from None
                     raise
+                if pid is None:
+                    raise _Changed()
+                self.pid = pid
                 self._child_created = True
             finally:
                 os.close(errpipe_write)
@@ -211,3 +230,24 @@ class CgroupPopen(subprocess.Popen):
         if stage == "noexec:chdir":
             raise kind(err, message, cwd)
         raise kind(err, message, None if stage == "noexec" else executable)
+
+
+def child_argv(args, executable, shell: bool) -> tuple[list, object]:
+    """(argv, program) as Popen's POSIX _execute_child makes them from its arguments."""
+    args = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    if shell:
+        args = ["/bin/sh", "-c", *args]
+        if executable:
+            args[0] = executable
+    return args, args[0] if executable is None else executable
+
+
+def _env_list(env) -> list[bytes]:
+    """An `env=` mapping as KEY=VALUE bytes, checked as Popen checks it."""
+    out = []
+    for k, v in env.items():
+        k = os.fsencode(k)
+        if b"=" in k:
+            raise ValueError("illegal environment variable name")
+        out.append(k + b"=" + os.fsencode(v))
+    return out
