@@ -209,6 +209,54 @@ def test_a_frozen_turn_spawns_through_the_shim(cgroup2_manager, path):
     assert proc.wait(timeout=10) == 0
 
 
+def test_spawns_while_freezes_come_and_go_never_wait_for_a_thaw(cgroup2_manager, path):
+    """A freeze is marked before cgroup.freeze is written, and a native spawn reads the mark under the
+    turn's lock: spawns keep returning while the turn is frozen (through the shim), never holding
+    their caller until the thaw (a vfork child cloned into a frozen cgroup would)."""
+    turn = cgroup2_manager.begin_turn("freezes")
+    procs, stop, errors = [], threading.Event(), []
+
+    def spawner():
+        try:
+            while not stop.is_set():
+                procs.append(turn.spawn(["true"]))
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    worker = threading.Thread(target=spawner)
+    worker.start()
+    try:
+        for _ in range(5):
+            turn.freeze()
+            try:
+                count = len(procs)
+                assert wait_until(lambda: len(procs) >= count + 3 or errors, timeout=20), \
+                    "a spawn waited for the thaw"
+            finally:
+                turn.thaw()
+    finally:
+        stop.set()
+        worker.join(timeout=30)
+    assert not worker.is_alive() and errors == []
+    assert all(proc.wait(timeout=30) == 0 for proc in procs)
+
+
+def test_a_turn_made_again_under_the_same_name_gets_the_spawn(cgroup2_manager, path):
+    """The native path keeps the directory fd and record bytes of a turn between spawns; a turn
+    removed and made again under the same ids is a new directory, and its spawns land there."""
+    first = cgroup2_manager.begin_turn("again", "same")
+    first.spawn(["true"]).wait(timeout=10)
+    first.complete()
+    assert not os.path.exists(turn_dir(cgroup2_manager, first))
+    second = cgroup2_manager.begin_turn("again", "same")
+    proc = second.spawn(["sleep", "30"])
+    took(proc, path)
+    with open(os.path.join(turn_dir(cgroup2_manager, second), "cgroup.procs")) as f:
+        assert proc.pid in {int(line) for line in f}
+    second.abandon("done", grace=0)
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+
+
 def test_a_kernel_refusal_switches_to_the_shim(cgroup2_manager, path, monkeypatch):
     """ENOSYS from clone3 (an old kernel or a container's seccomp filter) cannot be produced here:
     the extension call (or the C library's posix_spawn) is replaced for this error branch only; the
