@@ -365,6 +365,42 @@ static long checked_clone(int fd, const struct checked *chk, struct clone_args_v
     return pid;
 }
 
+/* The child's report pipe, both ends CLOEXEC and clear of the standard fds the child arranges. */
+static int errpipe(int fds[2])
+{
+    if (pipe2(fds, O_CLOEXEC) != 0)
+        return -1;
+    for (int i = 0; i < 2; i++) {
+        if (fds[i] >= 3)
+            continue;
+        int moved = fcntl(fds[i], F_DUPFD_CLOEXEC, 3);
+        close(fds[i]);
+        fds[i] = moved;
+    }
+    if (fds[0] < 0 || fds[1] < 0) {
+        int saved = errno;
+        for (int i = 0; i < 2; i++)
+            if (fds[i] >= 0)
+                close(fds[i]);
+        fds[0] = fds[1] = -1;
+        errno = saved;
+        return -1;
+    }
+    return 0;
+}
+
+/* Insert `fd` into the sorted `keep` array of *n ints (room for one more: int_array's). */
+static void keep_insert(int *keep, Py_ssize_t *n, int fd)
+{
+    Py_ssize_t i = *n;
+    while (i > 0 && keep[i - 1] > fd) {
+        keep[i] = keep[i - 1];
+        i--;
+    }
+    keep[i] = fd;
+    (*n)++;
+}
+
 static void *take_stack(void)
 {
     if (stack_pool_len > 0)
@@ -475,8 +511,9 @@ static int *int_array(PyObject *seq, Py_ssize_t *count)
 
 PyDoc_STRVAR(spawn_doc,
 "spawn(args, executable_list, close_fds, fds_to_keep, cwd, env_list, extra_env,\n"
-"      p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, errpipe_write,\n"
-"      restore_signals, start_new_session, process_group, umask, cgroup, join_fds) -> pid | None\n\n"
+"      p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,\n"
+"      restore_signals, start_new_session, process_group, umask, cgroup, join_fds)\n"
+"      -> pid | (pid, report) | None\n\n"
 "Start a child in a cgroup (clone3 CLONE_INTO_CGROUP|CLONE_VFORK|CLONE_VM) and\n"
 "exec the first of executable_list that runs. Arguments follow _posixsubprocess.fork_exec; join_fds\n"
 "are open cgroup.procs files (cgroup v1) the child joins first. extra_env (KEY=VALUE bytes) is\n"
@@ -484,7 +521,8 @@ PyDoc_STRVAR(spawn_doc,
 "cgroup is the fd of an open cgroup directory (-1: none), or (path, key, expected): then the\n"
 "directory is opened and locked (flock LOCK_SH, held until the child has exec'd) and the child is\n"
 "cloned only if its xattr key still holds exactly expected; None, starting nothing, if not.\n"
-"Exec failures are written to errpipe_write as 'OSError:<hex errno>:<stage>'.\n"
+"A child that fails before or at exec reports 'OSError:<hex errno>:<stage>' through a CLOEXEC\n"
+"pipe of this call's own and exits 255: then (pid, report); the caller reaps it.\n"
 "Raises OSError when the open, the lock or clone3 itself fails.");
 
 static PyObject *spawn(PyObject *self, PyObject *a)
@@ -493,11 +531,12 @@ static PyObject *spawn(PyObject *self, PyObject *a)
     int close_fds, restore_signals, start_new_session, cgroup_fd = -1;
     struct checked chk = {0};
     PyObject *path_arg = NULL, *path_obj = NULL;
+    int errfds[2] = {-1, -1};
     struct child c;
     memset(&c, 0, sizeof c);
-    if (!PyArg_ParseTuple(a, "OOpOOOOiiiiiiippiiOO:spawn", &args, &exec_list, &close_fds, &keep_seq,
+    if (!PyArg_ParseTuple(a, "OOpOOOOiiiiiippiiOO:spawn", &args, &exec_list, &close_fds, &keep_seq,
                           &cwd_obj, &env_obj, &extra_obj, &c.p2cread, &c.p2cwrite, &c.c2pread, &c.c2pwrite,
-                          &c.errread, &c.errwrite, &c.errpipe_write, &restore_signals,
+                          &c.errread, &c.errwrite, &restore_signals,
                           &start_new_session, &c.process_group, &c.umask_value, &cgroup_obj, &join_seq))
         return NULL;
     if (PyTuple_Check(cgroup_obj)) {
@@ -546,6 +585,12 @@ static PyObject *spawn(PyObject *self, PyObject *a)
         PyErr_NoMemory();
         goto done;
     }
+    if (errpipe(errfds) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    c.errpipe_write = errfds[1];
+    keep_insert(keep, &c.n_keep, errfds[1]);
     void *stack = take_stack();
     if (!stack)
         goto done;
@@ -599,6 +644,8 @@ static PyObject *spawn(PyObject *self, PyObject *a)
         break;
     }
     give_stack(stack);
+    close(errfds[1]);
+    errfds[1] = -1;
     if (saved_errno) {
         errno = saved_errno;
         PyErr_SetFromErrno(PyExc_OSError);
@@ -608,11 +655,28 @@ static PyObject *spawn(PyObject *self, PyObject *a)
         result = Py_NewRef(Py_None);
         goto done;
     }
-    result = PyLong_FromLong(pid);
+    /* CLONE_VFORK: the child has exec'd (its copy of the pipe closes with the exec) or reported and
+     * exited; EOF comes at once either way. */
+    char report_buf[256];
+    ssize_t got = 0, n;
+    Py_BEGIN_ALLOW_THREADS
+    while (got < (ssize_t)sizeof(report_buf)) {
+        n = read(errfds[0], report_buf + got, sizeof(report_buf) - (size_t)got);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            break;
+        got += n;
+    }
+    Py_END_ALLOW_THREADS
+    result = got > 0 ? Py_BuildValue("(ly#)", pid, report_buf, (Py_ssize_t)got) : PyLong_FromLong(pid);
     goto done;
 done_stack:
     give_stack(stack);
 done:
+    for (int i = 0; i < 2; i++)
+        if (errfds[i] >= 0)
+            close(errfds[i]);
     PyMem_Free(chk.buf);
     Py_XDECREF(path_obj);
     PyMem_Free(argv);

@@ -305,6 +305,8 @@ def normalize_spawn(argv, popen_kwargs: dict) -> tuple[list[str], dict]:
     """A spawn request as (argv as a list of str, Popen kwargs): refused options raise ValueError,
     shell=True becomes /bin/sh -c. The program is not resolved (a native spawn resolves it in the
     child, along PATH, as Popen does)."""
+    if not popen_kwargs and type(argv) is list and argv and all(type(a) is str for a in argv):
+        return list(argv), {}  # the usual request: nothing to refuse or convert
     kwargs = dict(popen_kwargs)
     for name, instead in _REFUSED_KWARGS.items():
         if kwargs.get(name) is not None:

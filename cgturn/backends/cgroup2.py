@@ -53,6 +53,20 @@ SPAWN_SHIM = (f'read go 2>/dev/null < "$0" && [ "$go" = go ] || exit 125; '
               f'export {ENV_TASK}="$1" {ENV_TURN}="$2" {ENV_SCOPE}="$3"; shift 3; exec "$@"')
 
 
+def _spawn_paths():
+    """backends/spawn_paths.py, imported on the first spawn (a listing does not need it); kept in a
+    global, as `from . import` runs importlib's Python-level fromlist handling on every call."""
+    global _SPAWN_PATHS
+    if _SPAWN_PATHS is None:
+        from . import spawn_paths
+
+        _SPAWN_PATHS = spawn_paths
+    return _SPAWN_PATHS
+
+
+_SPAWN_PATHS = None
+
+
 class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
     name = "cgroup2"
 
@@ -236,8 +250,7 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
     # --- membership -------------------------------------------------------------------------------
 
     def spawn(self, record, argv, popen_kwargs) -> "subprocess.Popen":
-        from . import spawn_paths  # what spawns needs, a listing does not
-
+        spawn_paths = _spawn_paths()
         # Straight into the cgroup when the native path can honour the request (spawn_paths.py);
         # else, or when it hands the spawn back, the shim below.
         way = spawn_paths.choose(record, popen_kwargs)

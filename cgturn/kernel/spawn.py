@@ -24,7 +24,7 @@ from typing import Callable
 try:
     import cgturn._spawn as _spawn  # the C extension: kernel I/O, like this module
 except ImportError:  # not built (no compiler at install, or not x86_64): the caller uses another way
-    _spawn = None  # type: ignore[assignment]  # clone3_built() says which
+    _spawn = None
 
 # clone3 errors that mean "this kernel (or its seccomp filter) cannot clone into a cgroup": clone3 is
 # 5.3+, CLONE_INTO_CGROUP 5.7+ (EINVAL before), and container seccomp profiles answer ENOSYS or EPERM.
@@ -157,73 +157,53 @@ class CgroupPopen(subprocess.Popen):
             raise ValueError("CgroupPopen cannot honour preexec_fn, user, group or extra_groups")
         args, executable = child_argv(args, executable, shell)
         sys.audit("subprocess.Popen", executable, args, cwd, env)
-        orig_executable = executable
-
-        errpipe_read, errpipe_write = os.pipe()
-        low = []
-        while errpipe_write < 3:  # keep it clear of the standard fds the child arranges
-            low.append(errpipe_write)
-            errpipe_write = os.dup(errpipe_write)
-        for fd in low:
-            os.close(fd)
+        env_list = None if env is None else _env_list(env)  # the extension adds extra_env
+        program = os.fsencode(executable)
+        executable_list: tuple[bytes, ...]
+        if os.path.dirname(program):
+            executable_list = (program,)
+        else:  # resolved in the child along PATH, as Popen does (os._execvpe's order)
+            executable_list = tuple(os.path.join(os.fsencode(d), program) for d in os.get_exec_path(env))
+        keep = tuple(sorted(map(int, pass_fds))) if pass_fds else ()
         try:
-            try:
-                env_list = None if env is None else _env_list(env)  # the extension adds extra_env
-                executable = os.fsencode(executable)
-                executable_list: tuple[bytes, ...]
-                if os.path.dirname(executable):
-                    executable_list = (executable,)
-                else:  # resolved in the child along PATH, as Popen does (os._execvpe's order)
-                    executable_list = tuple(os.path.join(os.fsencode(d), executable) for d in os.get_exec_path(env))
-                keep = tuple(sorted({*map(int, pass_fds), errpipe_write}))
-                cwd_bytes = None if cwd is None else os.fsencode(cwd)
-                try:
-                    pid = _spawn.spawn(
-                        [os.fsencode(a) for a in args], executable_list, close_fds, keep, cwd_bytes, env_list,
-                        self._extra_env,
-                        p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, errpipe_write,
-                        restore_signals, start_new_session, process_group, umask, self._cgroup,
-                        self._join_fds)
-                except OSError as err:
-                    if err.errno in UNSUPPORTED and err.filename is None:
-                        raise CloneUnsupported(err.errno, f"clone3(CLONE_INTO_CGROUP): {err.strerror}") from None
-                    raise
-                if pid is None:
-                    raise _Changed()
-                self.pid = pid
-                self._child_created = True
-            finally:
-                os.close(errpipe_write)
-            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # type: ignore[attr-defined]  # Popen's own
-            # CLONE_VFORK: the child has exec'd (the pipe is closed) or failed (it wrote, then exited).
-            data = bytearray()
-            while True:
-                part = os.read(errpipe_read, 50000)
-                data += part
-                if not part or len(data) > 50000:
-                    break
-        finally:
-            os.close(errpipe_read)
-        if data:
-            self._raise_child_error(bytes(data), orig_executable, cwd)
+            started = _spawn.spawn(
+                [os.fsencode(a) for a in args], executable_list, close_fds, keep,
+                None if cwd is None else os.fsencode(cwd), env_list, self._extra_env,
+                p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
+                restore_signals, start_new_session, process_group, umask, self._cgroup, self._join_fds)
+        except OSError as err:
+            if err.errno in UNSUPPORTED and err.filename is None:
+                raise CloneUnsupported(err.errno, f"clone3(CLONE_INTO_CGROUP): {err.strerror}") from None
+            raise
+        if started is None:
+            raise _Changed()
+        # the pid, or (pid, what the child reported before it exited unexecuted)
+        report = None
+        if type(started) is tuple:
+            started, report = started
+        self.pid = started
+        self._child_created = True
+        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # type: ignore[attr-defined]  # Popen's own
+        if report:
+            self._raise_child_error(report, executable, cwd)
 
     def _raise_child_error(self, data: bytes, executable, cwd) -> None:
         """Reap the failed child and raise what it reported, as Popen does."""
         try:
             pid, status = os.waitpid(self.pid, 0)
             if pid == self.pid:
-                self._handle_exitstatus(status)  # type: ignore[attr-defined]  # Popen's own
+                self._handle_exitstatus(status)
             else:
                 self.returncode = sys.maxsize
         except ChildProcessError:
             pass
         try:
-            name, hex_errno, raw_stage = data.split(b":", 2)
+            name, hex_errno, stage = data.split(b":", 2)
             err = int(hex_errno, 16)
             kind = getattr(builtins, name.decode("ascii"))
         except (ValueError, AttributeError, UnicodeDecodeError):
             raise subprocess.SubprocessError(f"bad exception data from child: {data!r}") from None
-        stage = raw_stage.decode()
+        stage = stage.decode()
         message = os.strerror(err) if err else ""
         if stage == "noexec:cgroup":
             raise CgroupJoinError(err, f"joining a v1 cgroup: {message}")
