@@ -12,6 +12,10 @@
  * Failures before or at exec are written to a CLOEXEC pipe as "OSError:<hex errno>:<stage>", the
  * format _posixsubprocess uses; an exec that succeeds closes the pipe, so the parent reads EOF.
  *
+ * Why one file of ~710 lines: the child side (async-signal-safe, no Python) and the parent side (the
+ * checked spawn's lock, record comparison and clone; the pools of stacks and directory fds kept between
+ * spawns) share one struct and one calling convention, and the extension is one module to build.
+ *
  * Only x86_64 has the clone3 trampoline below (the child must call into C on its new stack, which a
  * libc syscall() wrapper cannot do); elsewhere this file does not build and cgturn uses its shim.
  */

@@ -12,7 +12,7 @@ is unsafe with threads.
 Kill paths are in cgroup2_killing.py, limits and figures in cgroup2_governance.py (mixins of the one
 backend class), the listing hot path in cgroup2_views.py, where controllers live in cgroup2_limits.py.
 
-Why one module of ~430 lines: creating a turn, its records and state changes, and spawning into it
+Why one module of ~460 lines: creating a turn, its records and state changes, and spawning into it
 share the turn-directory lock and the checks that make a spawn race-free against an abandon.
 """
 from __future__ import annotations
