@@ -2,6 +2,7 @@
 from typing import Sequence
 
 def spawn(args: list[bytes], executable_list: tuple[bytes, ...], close_fds: bool, keep: tuple[int, ...],
-          cwd: bytes | None, env: list[bytes] | None, p2cread: int, p2cwrite: int, c2pread: int, c2pwrite: int,
-          errread: int, errwrite: int, errpipe_write: int, restore_signals: bool, start_new_session: bool,
-          process_group: int, umask: int, cgroup_fd: int, join_fds: Sequence[int], /) -> int: ...
+          cwd: bytes | None, env: list[bytes] | None, extra_env: Sequence[bytes], p2cread: int, p2cwrite: int,
+          c2pread: int, c2pwrite: int, errread: int, errwrite: int, restore_signals: bool,
+          start_new_session: bool, process_group: int, umask: int, cgroup: int | tuple[str, bytes, bytes],
+          join_fds: Sequence[int], /) -> int | tuple[int, bytes] | None: ...

@@ -78,15 +78,16 @@ async def measure(mgr: TurnManager, rounds: int, seed: int) -> dict[str, float]:
 def measure_paths(root: str, state: str, rounds: int) -> dict[str, dict[str, float]]:
     """{spawn path: {method: median ms}} for every spawn path this host has, in managed root `root`."""
     results = {}
-    saved = spawn_paths.can_clone3
+    saved = spawn_paths.can_clone3, spawn_paths.can_posix_spawn
     try:
         for path in spawn_paths.available():
-            spawn_paths.can_clone3 = path == spawn_paths.CLONE3
+            for flag, value in spawn_paths.forced(path).items():
+                setattr(spawn_paths, flag, value)
             with TurnManager(root=root, backend="cgroup2", state_dir=state, sentinel=False) as mgr:
                 results[path] = asyncio.run(measure(mgr, rounds, seed=15))
                 mgr.end_task("bench-aio", grace=0)
     finally:
-        spawn_paths.can_clone3 = saved
+        spawn_paths.can_clone3, spawn_paths.can_posix_spawn = saved
     return results
 
 

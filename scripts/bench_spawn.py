@@ -33,8 +33,8 @@ NATIVE = {spawn_paths.CLONE3: spawn_paths.can_clone3, spawn_paths.POSIX_SPAWN: s
 def forced(path: str):
     """Force the spawn path for the next calls (the capability flags the tests patch)."""
     def set_path():
-        spawn_paths.can_clone3 = path == spawn_paths.CLONE3
-        spawn_paths.can_posix_spawn = path == spawn_paths.POSIX_SPAWN
+        for flag, value in spawn_paths.forced(path).items():
+            setattr(spawn_paths, flag, value)
     return set_path
 
 

@@ -1,7 +1,7 @@
 """`await Turn.create_subprocess_exec/_shell` (cgturn/kernel/aioprocess.py): an asyncio Process in the
 turn before its program runs, its exit watched through a pidfd (no thread per child), and pipes that
 end when the command exits even while a server it left running holds them. Every spawn path:
-the cgroup2 backend's native clone3 path and its shim (each forced), and the registry backend.
+the cgroup2 backend's native clone3 and posix_spawn paths and its shim (each forced), and the registry backend.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 from cgturn import AlreadyRunning, NoSuchTurn, TurnManager
 from cgturn.backends import spawn_paths
+from cgturn.kernel import posix_spawn
 from cgturn.kernel import spawn as kspawn
 from conftest import alive, destroy_registry, wait_until
 
@@ -22,14 +23,17 @@ pytestmark = [pytest.mark.cgroup2, pytest.mark.root]
 PIPE = subprocess.PIPE
 
 
-@pytest.fixture(params=["clone3", "shim", "registry"])
+@pytest.fixture(params=["clone3", "posix_spawn", "shim", "registry"])
 def turn(request, monkeypatch, tmp_path):
     """A running turn, its spawns forced down one path (torn down with its manager)."""
     if request.param == "clone3" and not kspawn.clone3_built():
         if os.environ.get("CI") == "true":
             pytest.fail("cgturn._spawn is not built in CI (pip install -e . builds it with gcc)")
         pytest.skip("cgturn._spawn is not built here")
-    monkeypatch.setattr(spawn_paths, "can_clone3", request.param == "clone3")
+    if request.param == "posix_spawn" and not posix_spawn.available():
+        pytest.skip("the C library has no posix_spawnattr_setcgroup_np (glibc < 2.39): the test host runs it")
+    for flag, value in spawn_paths.forced(request.param).items():
+        monkeypatch.setattr(spawn_paths, flag, value)
     if request.param == "registry":
         mgr = TurnManager(backend="registry", state_dir=str(tmp_path / "state"))
         try:

@@ -38,8 +38,8 @@ def path(request, monkeypatch):
     if request.param == spawn_paths.POSIX_SPAWN and not posix_spawn.available():
         pytest.skip("the C library has no posix_spawnattr_setcgroup_np (glibc < 2.39): "
                     "tests/testhost/test_testhost_spawn.py runs this path on the test host")
-    monkeypatch.setattr(spawn_paths, "can_clone3", request.param == spawn_paths.CLONE3)
-    monkeypatch.setattr(spawn_paths, "can_posix_spawn", request.param == spawn_paths.POSIX_SPAWN)
+    for flag, value in spawn_paths.forced(request.param).items():
+        monkeypatch.setattr(spawn_paths, flag, value)
     return request.param
 
 

@@ -199,7 +199,8 @@ def test_the_target_gets_the_fds_popen_gives_plus_its_drained_gate(cgroup2_manag
 
     if native and not kspawn.clone3_built():
         pytest.skip("cgturn._spawn is not built here")
-    monkeypatch.setattr(spawn_paths, "can_clone3", native)
+    for flag, value in spawn_paths.forced(spawn_paths.CLONE3 if native else spawn_paths.SHIM).items():
+        monkeypatch.setattr(spawn_paths, flag, value)
     turn = cgroup2_manager.begin_turn("fds")
     keep_r, keep_w = os.pipe()
     try:
@@ -226,7 +227,8 @@ def test_a_process_that_is_not_dumpable_still_spawns(cgroup2_manager, monkeypatc
     monkeypatch.setattr(procfd, "children_can_open_our_fds", lambda: False)
     from cgturn.backends import spawn_paths
 
-    monkeypatch.setattr(spawn_paths, "can_clone3", False)  # the gate is the shim's
+    for flag, value in spawn_paths.forced(spawn_paths.SHIM).items():  # the gate is the shim's
+        monkeypatch.setattr(spawn_paths, flag, value)
     turn = cgroup2_manager.begin_turn("undumpable")
     out = turn.spawn(["sh", "-c", "ls /proc/$$/fd"], stdout=subprocess.PIPE, text=True)
     fds = {int(fd) for fd in out.communicate(timeout=10)[0].split()}

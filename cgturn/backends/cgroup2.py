@@ -38,6 +38,7 @@ from .metadata import XATTR_KEY, MetadataStore
 
 if TYPE_CHECKING:
     import subprocess
+    import types
 
     from .gates import SpawnGates
 
@@ -64,7 +65,7 @@ def _spawn_paths():
     return _SPAWN_PATHS
 
 
-_SPAWN_PATHS = None
+_SPAWN_PATHS: "types.ModuleType | None" = None
 
 
 class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):

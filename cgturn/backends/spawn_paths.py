@@ -65,6 +65,12 @@ def available() -> list[str]:
     return [path for path, usable in ((CLONE3, can_clone3), (POSIX_SPAWN, can_posix_spawn), (SHIM, True)) if usable]
 
 
+def forced(path: str) -> dict[str, bool]:
+    """The capability flags (names in this module) that make `path` the way spawns take: what tests
+    and benchmarks set to force one (trio-style), e.g. with monkeypatch.setattr."""
+    return {"can_clone3": path == CLONE3, "can_posix_spawn": path == POSIX_SPAWN}
+
+
 def choose(record: "TurnRecord", popen_kwargs: dict) -> str:
     """The first path that can honour this request, logged at debug level."""
     path, why = _choose(record, popen_kwargs)

@@ -65,9 +65,9 @@ class PosixSpawnPopen(CgroupPopen):
                 setsid=bool(start_new_session), pgroup=None if process_group < 0 else process_group,
                 default_signals=default_signals)
         except OSError as err:
-            raise _as_popen_error(err.errno, executable, cwd) from None
+            raise _as_popen_error(err.errno or 0, executable, cwd) from None
         self._child_created = True
-        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # type: ignore[attr-defined]  # Popen's own
 
 
 def _environment(env, extra: tuple[bytes, ...]) -> list[bytes]:

@@ -24,7 +24,7 @@ from typing import Callable
 try:
     import cgturn._spawn as _spawn  # the C extension: kernel I/O, like this module
 except ImportError:  # not built (no compiler at install, or not x86_64): the caller uses another way
-    _spawn = None
+    _spawn = None  # type: ignore[assignment]  # clone3_built() says which
 
 # clone3 errors that mean "this kernel (or its seccomp filter) cannot clone into a cgroup": clone3 is
 # 5.3+, CLONE_INTO_CGROUP 5.7+ (EINVAL before), and container seccomp profiles answer ENOSYS or EPERM.
@@ -179,9 +179,10 @@ class CgroupPopen(subprocess.Popen):
             raise _Changed()
         # the pid, or (pid, what the child reported before it exited unexecuted)
         report = None
-        if type(started) is tuple:
-            started, report = started
-        self.pid = started
+        if isinstance(started, tuple):
+            self.pid, report = started
+        else:
+            self.pid = started
         self._child_created = True
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # type: ignore[attr-defined]  # Popen's own
         if report:
@@ -192,18 +193,18 @@ class CgroupPopen(subprocess.Popen):
         try:
             pid, status = os.waitpid(self.pid, 0)
             if pid == self.pid:
-                self._handle_exitstatus(status)
+                self._handle_exitstatus(status)  # type: ignore[attr-defined]  # Popen's own
             else:
                 self.returncode = sys.maxsize
         except ChildProcessError:
             pass
         try:
-            name, hex_errno, stage = data.split(b":", 2)
+            name, hex_errno, raw_stage = data.split(b":", 2)
             err = int(hex_errno, 16)
             kind = getattr(builtins, name.decode("ascii"))
         except (ValueError, AttributeError, UnicodeDecodeError):
             raise subprocess.SubprocessError(f"bad exception data from child: {data!r}") from None
-        stage = stage.decode()
+        stage = raw_stage.decode()
         message = os.strerror(err) if err else ""
         if stage == "noexec:cgroup":
             raise CgroupJoinError(err, f"joining a v1 cgroup: {message}")

@@ -28,8 +28,8 @@ pytestmark = [pytest.mark.testhost, pytest.mark.usefixtures("systemd_host")]
 @pytest.fixture
 def path(monkeypatch):
     assert posix_spawn.available(), "glibc on the test host has posix_spawnattr_setcgroup_np (2.39+)"
-    monkeypatch.setattr(spawn_paths, "can_clone3", False)
-    monkeypatch.setattr(spawn_paths, "can_posix_spawn", True)
+    for flag, value in spawn_paths.forced(spawn_paths.POSIX_SPAWN).items():
+        monkeypatch.setattr(spawn_paths, flag, value)
     return spawn_paths.POSIX_SPAWN
 
 
