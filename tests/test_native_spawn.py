@@ -6,6 +6,7 @@ running after the mark; threads spawning while others fork neither deadlock nor 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 import subprocess
@@ -62,6 +63,13 @@ def test_doctor_lists_the_paths_preferred_first():
 
     paths = doctor_report()["spawn_paths"]
     assert paths == ["clone3"] * kspawn.clone3_built() + ["posix_spawn"] * posix_spawn.available() + ["shim"]
+
+
+def test_each_choice_is_one_debug_line(turn, path, caplog):
+    with caplog.at_level(logging.DEBUG, logger="cgturn"):
+        turn.spawn(["true"]).wait(timeout=10)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("spawn path for turn")]
+    assert len(lines) == 1 and lines[0].startswith(f"spawn path for turn {turn.turn_id!r}: {path} (")
 
 
 # --- Popen behaviour, on every path ---------------------------------------------------------------

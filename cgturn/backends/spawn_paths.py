@@ -74,8 +74,9 @@ def forced(path: str) -> dict[str, bool]:
 def choose(record: "TurnRecord", popen_kwargs: dict) -> str:
     """The first path that can honour this request, logged at debug level."""
     path, why = _choose(record, popen_kwargs)
-    log.debug("spawn path for turn %r: %s (%s)", record.turn_id, path, why,
-              extra=turn_fields(record.task_id, record.turn_id))
+    if log.isEnabledFor(logging.DEBUG):  # on every spawn: not even the extra dict when it is off
+        log.debug("spawn path for turn %r: %s (%s)", record.turn_id, path, why,
+                  extra=turn_fields(record.task_id, record.turn_id))
     return path
 
 
