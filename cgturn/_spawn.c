@@ -31,6 +31,7 @@
 #include <pthread.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/xattr.h>
 #include <sys/syscall.h>
@@ -74,7 +75,6 @@ struct child {
     Py_ssize_t n_join;
     int close_fds, restore_signals, start_new_session, process_group, umask_value;
     int p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, errpipe_write;
-    int max_fd;                 /* close_fds without close_range(2): the loop's bound */
     sigset_t mask;              /* the caller's signal mask, restored before execve */
 };
 
@@ -122,13 +122,25 @@ static int set_inheritable(int fd)
     return 0;
 }
 
-static void close_range_or_loop(int low, int high, int max_fd)
+/* The bound of the close loop below: RLIMIT_NOFILE's soft limit (what sysconf(_SC_OPEN_MAX) gives),
+ * read with the raw system call, which is async-signal-safe; asked only when close_range(2) fails, so
+ * a spawn on 5.9+ makes no such call. */
+static int open_max(void)
+{
+    struct rlimit rl;
+    if (syscall(SYS_getrlimit, RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur > 0 && rl.rlim_cur < INT_MAX)
+        return (int)rl.rlim_cur;
+    return 65536;
+}
+
+static void close_range_or_loop(int low, int high)
 {
     if (low > high)
         return;
     if (syscall(SYS_close_range, (unsigned)low, (unsigned)high, 0) == 0)
         return;
     /* close_range(2) is 5.9+; clone3 with CLONE_INTO_CGROUP (5.7+) may run without it */
+    int max_fd = open_max();
     if (high > max_fd)
         high = max_fd;
     for (int fd = low; fd <= high; fd++)
@@ -142,10 +154,10 @@ static void close_all_but(const struct child *c)
         int keep = c->keep[i];
         if (keep < low)
             continue;
-        close_range_or_loop(low, keep - 1, c->max_fd);
+        close_range_or_loop(low, keep - 1);
         low = keep + 1;
     }
-    close_range_or_loop(low, INT_MAX, c->max_fd);
+    close_range_or_loop(low, INT_MAX);
 }
 
 static void reset_signal_handlers(void)
@@ -426,10 +438,31 @@ static void give_stack(void *stack)
         munmap(stack, CHILD_STACK_SIZE);
 }
 
-/* A NULL-terminated char* array pointing into the bytes objects of `seq` (kept alive in *keep). */
-static char **bytes_array(PyObject *seq, PyObject **keep)
+/* `seq` (str, bytes or path-like items) as a tuple of bytes, each converted with the filesystem
+ * encoding as _posixsubprocess.fork_exec converts its args (ValueError for an embedded null byte). */
+static PyObject *fs_tuple(PyObject *seq)
 {
-    PyObject *tuple = PySequence_Tuple(seq);
+    PyObject *fast = PySequence_Fast(seq, "expected a sequence");
+    if (!fast)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject *out = PyTuple_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *converted = NULL;
+        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(fast, i), &converted))
+            Py_CLEAR(out);
+        else
+            PyTuple_SET_ITEM(out, i, converted);
+    }
+    Py_DECREF(fast);
+    return out;
+}
+
+/* A NULL-terminated char* array pointing into the bytes objects of `seq` (kept alive in *keep);
+ * `convert`: items may be str or path-like too (fs_tuple). */
+static char **bytes_array(PyObject *seq, PyObject **keep, int convert)
+{
+    PyObject *tuple = convert ? fs_tuple(seq) : PySequence_Tuple(seq);
     if (!tuple)
         return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(tuple);
@@ -519,7 +552,8 @@ PyDoc_STRVAR(spawn_doc,
 "      restore_signals, start_new_session, process_group, umask, cgroup, join_fds)\n"
 "      -> pid | (pid, report) | None\n\n"
 "Start a child in a cgroup (clone3 CLONE_INTO_CGROUP|CLONE_VFORK|CLONE_VM) and\n"
-"exec the first of executable_list that runs. Arguments follow _posixsubprocess.fork_exec; join_fds\n"
+"exec the first of executable_list that runs. Arguments follow _posixsubprocess.fork_exec (args:\n"
+"str, bytes or path-like, converted with the filesystem encoding); join_fds\n"
 "are open cgroup.procs files (cgroup v1) the child joins first. extra_env (KEY=VALUE bytes) is\n"
 "added to env_list (None: this process's environment), replacing the variables it names.\n"
 "cgroup is the fd of an open cgroup directory (-1: none), or (path, key, expected): then the\n"
@@ -561,11 +595,11 @@ static PyObject *spawn(PyObject *self, PyObject *a)
     PyObject *keep_argv = NULL, *keep_exec = NULL, *keep_env = NULL, *keep_extra = NULL, *result = NULL;
     char **argv = NULL, **execs = NULL, **envp = NULL, **extra = NULL, **merged = NULL;
     int *keep = NULL, *join = NULL;
-    if (!(argv = bytes_array(args, &keep_argv)) || !(execs = bytes_array(exec_list, &keep_exec)))
+    if (!(argv = bytes_array(args, &keep_argv, 1)) || !(execs = bytes_array(exec_list, &keep_exec, 0)))
         goto done;
-    if (env_obj != Py_None && !(envp = bytes_array(env_obj, &keep_env)))
+    if (env_obj != Py_None && !(envp = bytes_array(env_obj, &keep_env, 0)))
         goto done;
-    if (!(extra = bytes_array(extra_obj, &keep_extra)))
+    if (!(extra = bytes_array(extra_obj, &keep_extra, 0)))
         goto done;
     Py_ssize_t n_extra = PyTuple_GET_SIZE(keep_extra);
     if (n_extra > 0 && !(merged = merged_env(envp ? envp : environ, extra, n_extra)))
@@ -582,8 +616,6 @@ static PyObject *spawn(PyObject *self, PyObject *a)
     c.cwd = cwd_obj == Py_None ? NULL : PyBytes_AS_STRING(cwd_obj);
     c.keep = keep;
     c.join = join;
-    long max_fd = sysconf(_SC_OPEN_MAX);
-    c.max_fd = max_fd > 0 && max_fd < INT_MAX ? (int)max_fd : 65536;
 
     if (chk.path && !(chk.buf = PyMem_Malloc((size_t)chk.expected_len + 1))) {
         PyErr_NoMemory();

@@ -167,7 +167,7 @@ class CgroupPopen(subprocess.Popen):
         keep = tuple(sorted(map(int, pass_fds))) if pass_fds else ()
         try:
             started = _spawn.spawn(
-                [os.fsencode(a) for a in args], executable_list, close_fds, keep,
+                args, executable_list, close_fds, keep,
                 None if cwd is None else os.fsencode(cwd), env_list, self._extra_env,
                 p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
                 restore_signals, start_new_session, process_group, umask, self._cgroup, self._join_fds)
