@@ -93,6 +93,38 @@ def test_pipes_both_ways(turn, path):
     assert proc.communicate(timeout=10) == (b"e", None)
 
 
+def devnull_fds() -> int:
+    """How many fds of this process are open on /dev/null."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") == os.devnull
+        except FileNotFoundError:  # the listing's own fd
+            pass
+    return count
+
+
+def test_streams_given_every_way(turn, path, tmp_path):
+    """DEVNULL, a pipe, a file, STDOUT and no stream at all, as Popen: the parent closes Popen's
+    DEVNULL fd and the child's pipe ends once the child has them (EOF comes when it exits)."""
+    held = devnull_fds()
+    proc = turn.spawn([PY, "-c", "import sys; sys.stdout.write(sys.stdin.read() or 'empty'); sys.stderr.write('e')"],
+                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    took(proc, path)
+    assert proc.communicate(timeout=10) == (b"empty", None)
+    assert devnull_fds() == held
+    assert turn.spawn(["true"], stdout=subprocess.DEVNULL).wait(timeout=10) == 0  # DEVNULL without a pipe
+    assert devnull_fds() == held
+    with open(tmp_path / "out", "wb") as out:
+        proc = turn.spawn([PY, "-c", "import sys; print('to file'); sys.stderr.write('e')"], stdout=out,
+                          stderr=subprocess.STDOUT)
+        assert proc.wait(timeout=10) == 0
+    assert (tmp_path / "out").read_bytes() == b"to file\ne"
+    proc = turn.spawn(["true"])
+    took(proc, path)
+    assert (proc.stdin, proc.stdout, proc.stderr, proc.wait(timeout=10)) == (None, None, None, 0)
+
+
 def test_argv_items_as_popen_takes_them(turn, path):
     """A path-like program, bytes and str arguments reach the target as Popen passes them; an
     embedded NUL raises Popen's ValueError and starts nothing."""

@@ -67,7 +67,7 @@ class PosixSpawnPopen(CgroupPopen):
         except OSError as err:
             raise _as_popen_error(err.errno or 0, executable, cwd) from None
         self._child_created = True
-        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # type: ignore[attr-defined]  # Popen's own
+        self._close_child_ends(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
 
 
 def _environment(env, extra: tuple[bytes, ...]) -> list[bytes]:

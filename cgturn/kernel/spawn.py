@@ -150,6 +150,14 @@ class CgroupPopen(subprocess.Popen):
         self._cgroup, self._join_fds, self._extra_env = cgroup, tuple(join_fds), extra_env
         super().__init__(args, **kwargs)
 
+    def _get_handles(self, stdin, stdout, stderr):
+        """Popen's _get_handles. With no stream given (the usual spawn) it opens nothing and returns
+        six -1s, but still enters a @contextmanager meant to close what it opened on error (0.8 us in a
+        loop here, more right after a clone): skipped for that case."""
+        if stdin is None and stdout is None and stderr is None:
+            return -1, -1, -1, -1, -1, -1
+        return super()._get_handles(stdin, stdout, stderr)  # type: ignore[misc]  # Popen's own
+
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
                        restore_signals, gid, gids, uid, umask, start_new_session, process_group):
@@ -160,7 +168,7 @@ class CgroupPopen(subprocess.Popen):
         env_list = None if env is None else _env_list(env)  # the extension adds extra_env
         program = os.fsencode(executable)
         executable_list: tuple[bytes, ...]
-        if os.path.dirname(program):
+        if b"/" in program:  # what Popen's os.path.dirname(program) tests, without the call
             executable_list = (program,)
         else:  # resolved in the child along PATH, as Popen does (os._execvpe's order)
             executable_list = tuple(os.path.join(os.fsencode(d), program) for d in os.get_exec_path(env))
@@ -184,9 +192,18 @@ class CgroupPopen(subprocess.Popen):
         else:
             self.pid = started
         self._child_created = True
-        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # type: ignore[attr-defined]  # Popen's own
+        self._close_child_ends(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
         if report:
             self._raise_child_error(report, executable, cwd)
+
+    def _close_child_ends(self, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite) -> None:
+        """Popen's _close_pipe_fds, which closes the child's ends of the pipes Popen made and its
+        DEVNULL fd; with neither (no PIPE, no DEVNULL: the usual spawn) all it does is set the flag,
+        so that is done here without its contextlib.ExitStack (0.5 us in a loop here)."""
+        if p2cwrite == c2pread == errread == -1 and not hasattr(self, "_devnull"):
+            self._closed_child_pipe_fds = True
+        else:
+            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # type: ignore[attr-defined]  # Popen's own
 
     def _raise_child_error(self, data: bytes, executable, cwd) -> None:
         """Reap the failed child and raise what it reported, as Popen does."""
