@@ -84,7 +84,7 @@ def _choose(record: "TurnRecord", popen_kwargs: dict) -> tuple[str, str]:
     native = CLONE3 if can_clone3 else POSIX_SPAWN if can_posix_spawn else None
     if native is None:
         return SHIM, "no native path here"
-    if getattr(record, "sealed", False) or getattr(record, "network", "host") not in (None, "host"):
+    if record.sealed or record.network not in (None, "host"):
         return SHIM, "an isolated turn"
     if native == POSIX_SPAWN and record.v1_dirs:
         return SHIM, "posix_spawn cannot join v1 cgroups"
