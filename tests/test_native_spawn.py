@@ -128,9 +128,6 @@ def test_streams_given_every_way(turn, path, tmp_path):
 def test_argv_items_as_popen_takes_them(turn, path):
     """A path-like program, bytes and str arguments reach the target as Popen passes them; an
     embedded NUL raises Popen's ValueError and starts nothing."""
-    if path == spawn_paths.POSIX_SPAWN:
-        pytest.skip("the posix_spawn path passes argv through ctypes c_char_p, which ends an argument at a "
-                    "NUL instead of refusing it (reported; not the concern of this test's change)")
     import pathlib
 
     proc = turn.spawn([pathlib.Path(PY), b"-c", "import sys; print(sys.argv[1:])", b"bytes", "str"],
@@ -139,6 +136,8 @@ def test_argv_items_as_popen_takes_them(turn, path):
     assert proc.communicate(timeout=10) == (b"['bytes', 'str']\n", None)
     with pytest.raises(ValueError, match="embedded null byte"):
         turn.spawn(["echo", "a\0b"])
+    with pytest.raises(ValueError, match="embedded null byte"):
+        turn.spawn(["echo"], env={"A": "x\0y"})
     assert turn.pids() == []
 
 

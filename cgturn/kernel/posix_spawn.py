@@ -54,13 +54,17 @@ class PosixSpawnPopen(CgroupPopen):
         search = not os.path.dirname(program)
         if search and env is not None and os.get_exec_path(env) != os.get_exec_path():
             raise CannotHonour("a program looked up along the PATH of env=")
-        sys.audit("subprocess.Popen", executable, args, cwd, env)
+        argv = [os.fsencode(a) for a in args]
         envp = _environment(env, self._extra_env)
+        # ctypes' c_char_p would end an item at a NUL; Popen refuses it before anything starts.
+        if any(b"\0" in item for item in (program, *argv, *envp)):
+            raise ValueError("embedded null byte")
+        sys.audit("subprocess.Popen", executable, args, cwd, env)
         dup2 = [(fd, target) for fd, target in ((p2cread, 0), (c2pwrite, 1), (errwrite, 2)) if fd != -1]
         default_signals = (signal.SIGPIPE, signal.SIGXFSZ) if restore_signals else ()  # as Popen
         try:
             self.pid = libc.spawn(
-                program, [os.fsencode(a) for a in args], envp, search=search, cgroup_fd=self._cgroup,
+                program, argv, envp, search=search, cgroup_fd=self._cgroup,
                 dup2=dup2, close_from=3 if close_fds else None, cwd=None if cwd is None else os.fsencode(cwd),
                 setsid=bool(start_new_session), pgroup=None if process_group < 0 else process_group,
                 default_signals=default_signals)

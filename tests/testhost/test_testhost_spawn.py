@@ -17,10 +17,11 @@ from cgturn.host import doctor_report
 from cgturn.kernel import posix_spawn
 from hostlib import systemd_host  # noqa: F401
 from test_native_spawn import (  # noqa: F401 - collected here, on the forced path
-    test_cwd_env_umask, test_exec_failures_raise_as_popen, test_exit_codes_and_signals,
+    test_argv_items_as_popen_takes_them, test_cwd_env_umask, test_exec_failures_raise_as_popen, test_exit_codes_and_signals,
     test_first_act_is_in_the_turn_with_popen_attributes, test_inherited_environment_follows_os_environ,
     test_pipes_both_ways, test_posix_spawn_hands_over_what_it_cannot_honour, test_session_and_process_group,
-    test_signal_state_is_reset_in_the_child, test_spawns_racing_abandons_never_outlive_the_mark)
+    test_signal_state_is_reset_in_the_child, test_spawns_racing_abandons_never_outlive_the_mark,
+    test_streams_given_every_way)
 
 pytestmark = [pytest.mark.testhost, pytest.mark.usefixtures("systemd_host")]
 
