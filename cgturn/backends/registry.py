@@ -310,7 +310,10 @@ class RegistryBackend(Backend):
     def signal_members(self, record, sig) -> list[int]:
         protected = procfs.protected_pids()
         sent = []
-        for pid, start in self._collect(record, _Snapshot(self.scope), protected):
+        # Oldest first, so parents before their children: a shell waiting for its children must get
+        # its SIGTERM before it can see them die and exit 0 (cgroup.procs lists in that order too).
+        members = sorted(self._collect(record, _Snapshot(self.scope), protected), key=lambda m: (m[1], m[0]))
+        for pid, start in members:
             fd = procfs.open_pidfd(pid, start)
             if fd is None:
                 continue
