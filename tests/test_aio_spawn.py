@@ -13,10 +13,7 @@ import threading
 import pytest
 
 from cgturn import AlreadyRunning, NoSuchTurn, TurnManager
-from cgturn.backends import spawn_paths
-from cgturn.kernel import posix_spawn
-from cgturn.kernel import spawn as kspawn
-from conftest import alive, destroy_registry, wait_until
+from conftest import alive, destroy_registry, force_spawn_path, wait_until
 
 pytestmark = [pytest.mark.cgroup2, pytest.mark.root]
 
@@ -26,14 +23,7 @@ PIPE = subprocess.PIPE
 @pytest.fixture(params=["clone3", "posix_spawn", "shim", "registry"])
 def turn(request, monkeypatch, tmp_path):
     """A running turn, its spawns forced down one path (torn down with its manager)."""
-    if request.param == "clone3" and not kspawn.clone3_built():
-        if os.environ.get("CI") == "true":
-            pytest.fail("cgturn._spawn is not built in CI (pip install -e . builds it with gcc)")
-        pytest.skip("cgturn._spawn is not built here")
-    if request.param == "posix_spawn" and not posix_spawn.available():
-        pytest.skip("the C library has no posix_spawnattr_setcgroup_np (glibc < 2.39): the test host runs it")
-    for flag, value in spawn_paths.forced(request.param).items():
-        monkeypatch.setattr(spawn_paths, flag, value)
+    force_spawn_path(monkeypatch, request.param)
     if request.param == "registry":
         mgr = TurnManager(backend="registry", state_dir=str(tmp_path / "state"))
         try:

@@ -21,7 +21,7 @@ from cgturn.backends import spawn_paths
 from cgturn.kernel import posix_spawn
 from cgturn.kernel import spawn as kspawn
 from cgturn.limits import Limits
-from conftest import PY, turn_dir, v1_mirrors, wait_until
+from conftest import PY, force_spawn_path, turn_dir, v1_mirrors, wait_until
 
 pytestmark = [pytest.mark.cgroup2, pytest.mark.root]
 
@@ -32,15 +32,7 @@ POPEN_CLASS = {spawn_paths.CLONE3: kspawn.CgroupPopen, spawn_paths.POSIX_SPAWN: 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
     """Force one spawn path; a native path is skipped (with its reason) where it is not available."""
-    if request.param == spawn_paths.CLONE3 and not kspawn.clone3_built():
-        if os.environ.get("CI") == "true":
-            pytest.fail("cgturn._spawn is not built in CI (pip install -e . builds it with gcc)")
-        pytest.skip("cgturn._spawn is not built here")
-    if request.param == spawn_paths.POSIX_SPAWN and not posix_spawn.available():
-        pytest.skip("the C library has no posix_spawnattr_setcgroup_np (glibc < 2.39): "
-                    "tests/testhost/test_testhost_spawn.py runs this path on the test host")
-    for flag, value in spawn_paths.forced(request.param).items():
-        monkeypatch.setattr(spawn_paths, flag, value)
+    force_spawn_path(monkeypatch, request.param)
     return request.param
 
 

@@ -15,6 +15,7 @@ import pytest
 from cgturn.backends import spawn_paths
 from cgturn.host import doctor_report
 from cgturn.kernel import posix_spawn
+from conftest import force_spawn_path
 from hostlib import systemd_host  # noqa: F401
 from test_native_spawn import (  # noqa: F401 - collected here, on the forced path
     test_argv_items_as_popen_takes_them, test_cwd_env_umask, test_exec_failures_raise_as_popen, test_exit_codes_and_signals,
@@ -29,8 +30,7 @@ pytestmark = [pytest.mark.testhost, pytest.mark.usefixtures("systemd_host")]
 @pytest.fixture
 def path(monkeypatch):
     assert posix_spawn.available(), "glibc on the test host has posix_spawnattr_setcgroup_np (2.39+)"
-    for flag, value in spawn_paths.forced(spawn_paths.POSIX_SPAWN).items():
-        monkeypatch.setattr(spawn_paths, flag, value)
+    force_spawn_path(monkeypatch, spawn_paths.POSIX_SPAWN)
     return spawn_paths.POSIX_SPAWN
 
 
