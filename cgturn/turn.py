@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import subprocess
 import time
@@ -153,23 +154,19 @@ class Turn:
         (whose later output is read and dropped). `until_exit=False` reads to end-of-file, as asyncio.
         `key`, the refused options and the errors are `spawn`'s; text mode and bufsize as asyncio's.
         """
-        return await self._create_process((program, *args), False, stdin, stdout, stderr, limit, key,
-                                          until_exit, kwds)
+        from .kernel.aioprocess import create_process
+
+        return await create_process(functools.partial(self.spawn, key=key), [program, *args], shell=False,
+                                    stdin=stdin, stdout=stdout, stderr=stderr, limit=limit,
+                                    until_exit=until_exit, **kwds)
 
     async def create_subprocess_shell(self, cmd: str, stdin: Any = None, stdout: Any = None, stderr: Any = None,
                                       limit: int = 2 ** 16, key: str | None = None, until_exit: bool = True,
                                       **kwds: Any) -> "asyncio.subprocess.Process":
         """`asyncio.create_subprocess_shell` in the turn (`/bin/sh -c cmd`); as `create_subprocess_exec`."""
-        return await self._create_process(cmd, True, stdin, stdout, stderr, limit, key, until_exit, kwds)
-
-    async def _create_process(self, args: Any, shell: bool, stdin: Any, stdout: Any, stderr: Any, limit: int,
-                              key: str | None, until_exit: bool, kwds: dict[str, Any]) -> "asyncio.subprocess.Process":
         from .kernel.aioprocess import create_process
 
-        def start(argv: Argv, **popen_kwargs: Any) -> subprocess.Popen[Any]:
-            return self.spawn(argv, key=key, **popen_kwargs)
-
-        return await create_process(start, list(args) if not shell else args, shell=shell, stdin=stdin,
+        return await create_process(functools.partial(self.spawn, key=key), cmd, shell=True, stdin=stdin,
                                     stdout=stdout, stderr=stderr, limit=limit, until_exit=until_exit, **kwds)
 
     def adopt(self, pid: int) -> None:
