@@ -80,9 +80,9 @@ class Gateway:
         result = await self.mgr.aend_task(f"session:{sid}", grace=2)
         return {"killed": result.killed, "refused": result.refused, "duration_ms": result.duration_ms}
 
-    def turns(self, sid: str) -> list[dict]:
+    async def turns(self, sid: str) -> list[dict]:
         return [{"turn": t.turn, "state": t.state, "pids": t.pids, "reason": t.reason}
-                for t in self.mgr.turns(f"session:{sid}")]
+                for t in await self.mgr.aturns(f"session:{sid}")]
 
 
 def describe(turn_id: str, outcome: Outcome) -> dict:
@@ -127,9 +127,7 @@ async def handle(gateway: Gateway, reader: asyncio.StreamReader, writer: asyncio
             await gateway.run(parts[1], body, float(query.get("timeout", 300)), writer, reader)
         else:
             if parts[:1] == ["sessions"] and len(parts) == 3 and parts[2] in ("stop", "end", "turns"):
-                action = parts[2]
-                answer = (gateway.turns(parts[1]) if action == "turns"
-                          else await getattr(gateway, action)(parts[1]))
+                answer = await getattr(gateway, parts[2])(parts[1])
             elif url.path == "/debug/block":
                 answer = block_loop(int(query["pid"]), float(query.get("max", 30)))
             else:
