@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 
-from .errors import AccessDenied
 from .ids import MAX_ID_BYTES, validate_text
 from .kernel import procfs
 
@@ -42,10 +41,7 @@ def dump(held: dict[str, tuple[int, int]]) -> str | None:
 
 def holds(pid: int, start: int) -> bool:
     """True while the process that got a key lives (one we may not look at is taken as alive)."""
-    try:
-        return procfs.is_alive(pid, start)
-    except AccessDenied:
-        return True
+    return procfs.alive_or_unknown(pid, start)
 
 
 def live(text: str | None) -> dict[str, int]:

@@ -523,10 +523,7 @@ def _map(fn: Callable[[_T], _R], items: list[_T], parallel: bool) -> list[_R]:
 
 def _owner_may_read(rec: TurnRecord) -> bool:
     """True when the turn's owner (pid + start time) still runs, or cannot be looked at."""
-    try:
-        return procfs.is_alive(rec.owner_pid or 0, rec.owner_start if rec.owner_start is not None else -1)
-    except AccessDenied:
-        return True
+    return procfs.alive_or_unknown(rec.owner_pid, rec.owner_start)
 
 
 def _valid(value: str) -> bool:

@@ -31,6 +31,12 @@ def is_running(pid: int, started: int) -> bool:
     return procfs.is_alive(pid, started)
 
 
+def alive_or_unknown(pid: int | None, started: int | None) -> bool:
+    """True unless `pid` (started at `started`) is known to be gone: one that cannot be looked at
+    counts as alive (see cgturn.kernel.procfs.alive_or_unknown)."""
+    return procfs.alive_or_unknown(pid, started)
+
+
 def command_line(pid: int) -> str:
     """The command line of `pid` joined with spaces; '' when gone or unreadable."""
     return procfs.cmdline(pid)

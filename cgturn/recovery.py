@@ -90,10 +90,7 @@ def _sweep_notes(state_dir: str) -> None:
         pid, start = note.get("owner_pid"), note.get("owner_start")
         if not isinstance(pid, int) or not isinstance(start, int):
             return False
-        try:
-            return procfs.is_alive(pid, start)
-        except AccessDenied:
-            return True
+        return procfs.alive_or_unknown(pid, start)
 
     outcomes.sweep(state_dir, owner_lives)
 
@@ -119,11 +116,7 @@ def _recover_one(manager: "TurnManager", rec: TurnRecord) -> RecoveryAction | No
             return None
         return RecoveryAction(ABANDONED_ACTION, rec.task_id, rec.turn_id, reasons.OWNER_DIED, result.killed)
     if rec.state == ABANDONED:
-        try:
-            killer_alive = procfs.is_alive(rec.killer_pid or 0, rec.killer_start if rec.killer_start is not None else -1)
-        except AccessDenied:
-            killer_alive = True
-        if killer_alive:
+        if procfs.alive_or_unknown(rec.killer_pid, rec.killer_start):
             return None
         # The process that was killing this turn died before it finished: finish for it.
         result = manager.finish_kill(rec)

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import clocks, ids, leases, processes, reasons, statefiles
-from .errors import AccessDenied, GuardUnavailable, SentinelUnavailable
+from .errors import GuardUnavailable, SentinelUnavailable
 from .logfields import turn_fields
 from .model import ABANDONED, COMPLETED
 
@@ -572,11 +572,8 @@ def _open_owner(pid: int, start: int) -> int | None:
     except ProcessLookupError:
         return None
     # Checked after opening: the pidfd now pins this very process, so a later start-time match holds.
-    try:
-        alive = processes.is_running(pid, start)
-    except AccessDenied:
-        alive = True  # cannot look, so not known to be dead: the pidfd will tell when it exits
-    if not alive:
+    # Cannot look is not known to be dead: the pidfd will tell when it exits.
+    if not processes.alive_or_unknown(pid, start):
         os.close(fd)
         return None
     return fd

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 
-from ..errors import AccessDenied
 from ..kernel import procfs
 from ..statefiles import open_regular
 
@@ -45,10 +44,7 @@ def owner_alive(state: dict | None) -> bool:
     """True if the state's owner process (pid + start time) still runs."""
     if not state:
         return False
-    try:
-        return procfs.is_alive(state["owner_pid"], state["owner_start"])
-    except AccessDenied:
-        return True  # cannot look: not known to be gone
+    return procfs.alive_or_unknown(state.get("owner_pid"), state.get("owner_start"))
 
 
 def live(backend) -> dict | None:

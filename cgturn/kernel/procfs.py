@@ -175,6 +175,20 @@ def is_alive(pid: int, started: int) -> bool:
     return st is not None and st.start_time == started and not st.exited
 
 
+def alive_or_unknown(pid: int | None, started: int | None) -> bool:
+    """True unless `pid` is known to be gone: it runs as the process that started at `started`, or it
+    cannot be looked at (another user's process under hidepid). The one place that reads "cannot look"
+    as "not known to be dead", for every caller that must never act on a guess (keys, leases of notes,
+    the guard's owner, a killer's or a turn owner's liveness). A pid or start time of None is gone.
+    """
+    if pid is None or started is None:
+        return False
+    try:
+        return is_alive(pid, started)
+    except AccessDenied:
+        return True
+
+
 def environ(pid: int) -> dict[str, str] | None:
     """The initial environment of `pid`; None when gone or not readable (another user's process:
     such a process is never taken for a turn member by its environment)."""
