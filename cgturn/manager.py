@@ -20,6 +20,7 @@ from .kernel import procfs
 from .limits import Limits, Usage
 from .model import (ABANDONED, COMPLETED, CORRUPT, NETWORKS, RUNNING, AbandonResult, TurnEnded, TurnInfo,
                     TurnRecord)
+from .control import TurnControl
 from .governance import GovernanceMixin
 from .turn import Turn, make_turn
 
@@ -101,6 +102,7 @@ class TurnManager(GovernanceMixin):
             self.backend = choose_backend(discover_host(root), wanted_backend(backend), self.state_dir)
         self.sentinel_enabled = _sentinel_setting(sentinel)
         self.events = Listeners()
+        self._control = TurnControl(self)
         self.guard = guard
         if recover:
             self.recover()

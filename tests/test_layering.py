@@ -21,7 +21,7 @@ LAYERS = {
     "kernel": ("cgturn.kernel", "cgturn._spawn"),  # _spawn: the C extension (clone3 into a cgroup)
     "backends": ("cgturn.backends",),
     "ownership": ("cgturn.manager", "cgturn.governance", "cgturn.turn", "cgturn.killing", "cgturn.recovery", "cgturn.listing",
-                  "cgturn.host", "cgturn.processes", "cgturn.admission", "cgturn.keys"),
+                  "cgturn.host", "cgturn.processes", "cgturn.admission", "cgturn.keys", "cgturn.control"),
     "supervision": ("cgturn.supervisor", "cgturn.watchdog", "cgturn.sentinel", "cgturn.sentinel_main",
                     "cgturn.guard"),
     "faces": ("cgturn.cli", "cgturn.pytest_plugin", "cgturn.metrics", "cgturn.__main__"),
