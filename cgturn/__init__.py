@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     "TurnManager": "manager", "Turn": "turn",
-    "AbandonResult": "model", "TurnInfo": "model", "Port": "model", "TurnEnded": "model", "TurnListener": "model", "RUNNING": "model", "COMPLETED": "model",
+    "AbandonResult": "model", "TurnInfo": "model", "Port": "ports", "TurnEnded": "events", "TurnListener": "events", "RUNNING": "model", "COMPLETED": "model",
     "ABANDONED": "model", "CORRUPT": "model",
     "CgturnError": "errors", "CgroupUnavailable": "errors", "PermissionDenied": "errors", "TurnExists": "errors",
     "NoSuchTurn": "errors", "UnsafeOperation": "errors", "KernelError": "errors", "NoSuchProcess": "errors",
@@ -67,8 +67,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .manager import TurnManager as TurnManager
     from .model import (
         ABANDONED as ABANDONED, COMPLETED as COMPLETED, CORRUPT as CORRUPT, RUNNING as RUNNING,
-        AbandonResult as AbandonResult, Port as Port, TurnEnded as TurnEnded, TurnInfo as TurnInfo,
-        TurnListener as TurnListener)
+        AbandonResult as AbandonResult, TurnInfo as TurnInfo)
+    from .events import TurnEnded as TurnEnded, TurnListener as TurnListener
+    from .ports import Port as Port
     from .processes import ProcessInfo as ProcessInfo
     from .recovery import RecoveryAction as RecoveryAction
     from .sentinel import attach_sentinel as attach_sentinel

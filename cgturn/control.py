@@ -2,73 +2,250 @@
 kept off `TurnManager`'s public surface (which is what applications call).
 
 A `TurnControl` is reached as `manager._control`: the underscore says it is not for applications; the
-layers above ownership use it as their one door into a manager's turns (docs/design.md).
+layers above ownership use it as their one door into a manager's turns (docs/design.md). It holds the
+manager's narrow collaborators (its backend, state dir, listeners and governance), never the manager.
+
+Abandon is one path for every cause: mark the turn abandoned (the first of complete/abandon wins,
+atomically across processes), then the kill sequence (cgturn.killing). Pause and resume are
+cgturn.freezing's, keyed spawns cgturn.keys'; the methods here are their doors.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+import logging
+import os
+import subprocess
+import time
+from typing import Any, Callable
 
-if TYPE_CHECKING:  # transitional: the implementations move here from the manager (issue: the house)
-    from .manager import TurnManager
+from . import freezing, keys, killing, leases, reasons
+from .backends.base import Backend
+from .errors import AccessDenied, NoSuchProcess, NoSuchTurn, UnsafeOperation
+from .events import Listeners, TurnEnded
+from .governance import Governance
+from .kernel import procfs
+from .limits import Limits, Usage
+from .model import ABANDONED, COMPLETED, CORRUPT, RUNNING, AbandonResult, Argv, TurnRecord, TurnView
+
+log = logging.getLogger("cgturn")
+
+# The turn states an unforced abandon may start from: a corrupt turn is killed like a running one.
+_ABANDONABLE = frozenset({RUNNING, CORRUPT})
+_ABANDONABLE_FORCED = frozenset({RUNNING, COMPLETED, ABANDONED, CORRUPT})
 
 
 class TurnControl:
-    """Friend operations of one manager, addressed by encoded names (task_key, turn_key)."""
+    """Friend operations of one manager, addressed by encoded names (task_key, turn_key).
 
-    def __init__(self, manager: "TurnManager") -> None:
-        self._m = manager
+    Args:
+        backend: the manager's backend.
+        state_dir: the manager's state directory (audit log, abandon notes).
+        events: the manager's listeners, told of what this process did.
+        governance: the manager's limits and limit audit.
+    """
 
-    def record(self, task_key: str, turn_key: str) -> Any:
+    def __init__(self, backend: Backend, state_dir: str, events: Listeners, governance: Governance) -> None:
+        self.backend = backend
+        self.state_dir = state_dir
+        self.events = events
+        self.governance = governance
+
+    # --- look-ups ---------------------------------------------------------------------------------
+
+    def record(self, task_key: str, turn_key: str) -> TurnRecord | None:
         """The stored record of the turn at these names, read fresh; None when it does not exist."""
-        return self._m.backend.load(task_key, turn_key)
+        return self.backend.load(task_key, turn_key)
 
-    def views(self) -> list[Any]:
+    def views(self) -> list[TurnView]:
         """Every existing turn with its live pids and usage (TurnView), as the backend sees them."""
-        return self._m.backend.views()
-
-    def complete_turn(self, task_key: str, turn_key: str, keep_for: float | None = None,
-                      figures: bool = False) -> Any:
-        return self._m.complete_turn(task_key, turn_key, keep_for, figures)
-
-    def abandon_turn(self, task_key: str, turn_key: str, reason: str, grace: float, force: bool = False,
-                     when: Callable[[Any], bool] | None = None) -> Any:
-        return self._m.abandon_turn(task_key, turn_key, reason, grace, force, when)
-
-    def finish_kill(self, rec: Any) -> Any:
-        return self._m.finish_kill(rec)
-
-    def take_abandon_note(self, task_key: str, turn_key: str, started_at: float) -> Any:
-        return self._m.take_abandon_note(task_key, turn_key, started_at)
-
-    def turn_usage_quietly(self, rec: Any) -> Any:
-        return self._m.turn_usage_quietly(rec)
-
-    def adopt_into(self, rec: Any, pid: int) -> None:
-        self._m.adopt_into(rec, pid)
-
-    def running_turns_of_caller(self) -> list[tuple[str, str]]:
-        return self._m.running_turns_of_caller()
-
-    def owner_alive(self, rec: Any) -> bool:
-        return self._m.owner_alive(rec)
+        return self.backend.views()
 
     def turn_state(self, task_key: str, turn_key: str) -> str | None:
-        return self._m.turn_state(task_key, turn_key)
+        """The state of the turn at these encoded names; None when it does not exist."""
+        rec = self.backend.load(task_key, turn_key)
+        return None if rec is None else rec.state
 
-    def check_limits(self, task_key: str, turn_key: str, usage: Any = None, rec: Any = None) -> list[dict[str, Any]]:
-        return self._m.check_limits(task_key, turn_key, usage, rec)
+    def owner_alive(self, rec: TurnRecord) -> bool:
+        """True if the turn's owner process (pid + start time, so no reused pid) still runs.
+
+        Raises AccessDenied when the owner cannot be looked at: never read that as "dead".
+        """
+        return procfs.is_alive(rec.owner_pid or 0, rec.owner_start if rec.owner_start is not None else -1)
+
+    def running_turns_of_caller(self) -> list[tuple[str, str]]:
+        """(task id, turn id) of the running turns the calling process began."""
+        me = os.getpid()
+        start = procfs.own_start_time()
+        return [(rec.task_id, rec.turn_id) for rec in self.backend.records()
+                if rec.state == RUNNING and rec.owner_pid == me and rec.owner_start == start]
+
+    def turn_usage_quietly(self, rec: TurnRecord) -> Usage | None:
+        """What the turn at `rec` used; None when it cannot be read (figures never decide an outcome)."""
+        try:
+            return self.backend.turn_usage(rec)
+        except Exception:  # noqa: BLE001 - figures never decide an outcome
+            log.debug("cannot read the usage of turn %r", rec.turn_id, exc_info=True)
+            return None
+
+    def take_abandon_note(self, task_key: str, turn_key: str, started_at: float) -> dict[str, Any] | None:
+        """Take (read and delete) the note another process left for the owner of the turn at these
+        names that began at `started_at` (see cgturn.outcomes); None when there is none (yet)."""
+        from . import outcomes
+
+        return outcomes.take_note(self.state_dir, task_key, turn_key, started_at)
+
+    # --- completion and abandon -------------------------------------------------------------------
+
+    def complete_turn(self, task_key: str, turn_key: str, keep_for: float | None = None,
+                      figures: bool = False) -> tuple[bool, TurnRecord | None, Usage | None]:
+        """Move a running turn to completed, its survivors leased for `keep_for` seconds (None: until
+        end_task); (won, record after, usage). Removes it if nothing is left. With `figures`, what the
+        turn used is read once it is completed, before any removal (else usage is None)."""
+        now = time.time()
+        won, rec = self.backend.transition(task_key, turn_key, {RUNNING}, COMPLETED,
+                                           {"ended_at": now, "expires_at": leases.expires_at(now, keep_for)})
+        usage = None
+        if won and rec is not None:
+            self.events.emit("turn_ended", TurnEnded(rec.task_id, rec.turn_id, task_key, turn_key, COMPLETED))
+            if rec.expires_at is not None:
+                self.events.emit("lease_set", rec)
+            if figures:
+                usage = self.turn_usage_quietly(rec)
+            # Nothing left: audit its limit counters (they go with its cgroup; `rec` is the record
+            # just written under the lock), then remove it. The rmdir is the atomic check: a spawn
+            # that slipped in meanwhile (it finds the turn completed and kills its shim) is waited
+            # for, and whatever stays keeps the turn, completed.
+            if self.backend.wait_empty(rec, 0):
+                self.governance.audit_limits_quietly(task_key, turn_key, usage, rec)
+                if self.backend.remove(rec):
+                    self.backend.remove_task(task_key)
+        return won, rec, usage
+
+    def abandon_turn(self, task_key: str, turn_key: str, reason: str, grace: float, force: bool = False,
+                     when: Callable[[TurnRecord], bool] | None = None) -> AbandonResult:
+        """Mark the turn at this directory abandoned (first transition wins) and kill it. `when(record)`,
+        if given, must also hold under the turn's lock (the guard: "still frozen by me"; a lease: "still
+        run out").
+
+        Raises:
+            UnsafeOperation: the turn holds the caller, one of its ancestors or PID 1.
+        """
+        rec = self.backend.load(task_key, turn_key)
+        if rec is None:
+            return AbandonResult(skipped=True, reason=reason)
+        self.refuse_if_caller_inside(rec)
+        won, rec = self.backend.transition(
+            task_key, turn_key, _ABANDONABLE_FORCED if force else _ABANDONABLE, ABANDONED,
+            {"reason": reason, "ended_at": time.time(), "killer_pid": os.getpid(),
+             "killer_start": procfs.own_start_time()},
+            when=when)
+        if not won or rec is None:
+            return AbandonResult(skipped=True, reason=(rec.reason if rec else None) or reason)
+        result = killing.kill_turn(self.backend, rec, reason, grace, self.state_dir,
+                                   before_removal=self.governance.audit_limits_quietly,
+                                   limiter=self.governance.limiter)
+        self._ended(rec, result)
+        return result
+
+    def finish_kill(self, rec: TurnRecord) -> AbandonResult:
+        """Kill a turn already marked abandoned whose killer died midway."""
+        result = killing.kill_turn(self.backend, rec, rec.reason or reasons.UNRECORDED, 0.0, self.state_dir,
+                                   limiter=self.governance.limiter)
+        self._ended(rec, result)
+        return result
+
+    def refuse_if_caller_inside(self, rec: TurnRecord, verb: str = "kill") -> None:
+        """Raise UnsafeOperation when the turn at `rec` holds the caller, one of its ancestors or PID 1."""
+        killing.refuse_if_caller_inside(self.backend, rec, verb)
+
+    def _ended(self, rec: TurnRecord, result: AbandonResult) -> None:
+        """An abandon this process carried out is done: leave the owner its note when the owner is
+        another live process (cgturn.outcomes), then tell this process's listeners."""
+        result.killed_by = os.getpid()
+        event = TurnEnded(rec.task_id, rec.turn_id, rec.task_key, rec.turn_key, ABANDONED, result.reason,
+                          list(result.killed), result.killed_by, list(result.signals), result.duration_ms,
+                          result.usage)
+        if rec.owner_pid is not None and rec.owner_pid != result.killed_by \
+                and procfs.alive_or_unknown(rec.owner_pid, rec.owner_start):
+            from . import outcomes
+
+            outcomes.write_note(self.state_dir, {
+                "task_key": rec.task_key, "turn_key": rec.turn_key, "task": rec.task_id, "turn": rec.turn_id,
+                "started_at": rec.started_at, "owner_pid": rec.owner_pid, "owner_start": rec.owner_start,
+                "reason": result.reason, "killed_by": result.killed_by, "killed": result.killed,
+                "signals": result.signals, "duration_ms": round(result.duration_ms, 3), "time": time.time()})
+        self.events.emit("turn_ended", event)
+
+    # --- what a turn holds ------------------------------------------------------------------------
+
+    def adopt_into(self, rec: TurnRecord, pid: int) -> None:
+        """Move process `pid` into the turn `rec`, refusing what must never be moved (Turn.adopt).
+
+        Raises:
+            ValueError: not a process id.
+            NoSuchProcess: no process `pid`.
+            UnsafeOperation: PID 1, the caller, an ancestor of the caller, a kernel thread, a process
+                that cannot be looked at, or a member of another task's or manager's turn.
+        """
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            raise ValueError(f"not a process id: {pid!r}")
+        me = os.getpid()
+        if pid == 1:
+            raise UnsafeOperation("refusing to adopt PID 1")
+        if pid == me:
+            raise UnsafeOperation(f"refusing to adopt the calling process {me}: use Turn.enter()")
+        if pid in procfs.ancestors(me):
+            raise UnsafeOperation(f"refusing to adopt process {pid}: it is an ancestor of the caller")
+        try:
+            st = procfs.stat(pid)
+        except AccessDenied as err:
+            raise UnsafeOperation(f"refusing to adopt process {pid}: {err}") from err
+        if st is None or st.exited:
+            raise NoSuchProcess(pid, f"cannot adopt process {pid}: it does not exist")
+        if procfs.is_kernel_thread(st):
+            raise UnsafeOperation(f"refusing to adopt process {pid}: it is a kernel thread")
+        owner = self.backend.turn_of(pid)
+        if owner is not None and owner != (self.backend.scope, rec.task_key):
+            raise UnsafeOperation(f"refusing to adopt process {pid}: it belongs to a turn of "
+                                  f"{'another task' if owner[0] == self.backend.scope else 'another manager'}")
+        self.backend.adopt(rec, pid)
+
+    def spawn_keyed(self, rec: TurnRecord, argv: Argv, key: str, popen_kwargs: dict[str, Any]) -> subprocess.Popen[Any]:
+        """Spawn into `rec`'s turn unless a live process of its task holds `key` (cgturn.keys).
+        Raises AlreadyRunning (`.pid`), or as `Turn.spawn`."""
+        return keys.spawn_keyed(self.backend, rec, argv, key, popen_kwargs)
+
+    def check_limits(self, task_key: str, turn_key: str, usage: Usage | None = None,
+                     rec: TurnRecord | None = None) -> list[dict[str, Any]]:
+        """Audit the turn's limit events not audited yet; the records written (cgturn.governance)."""
+        return self.governance.check_limits(task_key, turn_key, usage, rec)
+
+    def set_turn_limits(self, rec: TurnRecord, limits: Limits) -> TurnRecord:
+        """Change the turn's own limits; the record after. Raises LimitsUnavailable, NoSuchTurn."""
+        return self.governance.set_turn_limits(rec, limits)
 
     def freeze_turn(self, task_key: str, turn_key: str, by: str = "user") -> list[int]:
-        return self._m.freeze_turn(task_key, turn_key, by)
+        """Freeze the turn (cgturn.freezing); the pids reached. Raises UnsafeOperation, NoSuchTurn."""
+        return freezing.freeze_turn(self.backend, self.state_dir, task_key, turn_key, by)
 
     def thaw_turn(self, task_key: str, turn_key: str, by: str = "user") -> list[int]:
-        return self._m.thaw_turn(task_key, turn_key, by)
+        """Thaw the turn (cgturn.freezing); the pids reached. Raises UnsafeOperation, NoSuchTurn."""
+        return freezing.thaw_turn(self.backend, self.state_dir, task_key, turn_key, by)
 
-    def set_lease(self, task_key: str, turn_key: str, seconds: float | None) -> Any:
-        return self._m.set_lease(task_key, turn_key, seconds)
+    def set_lease(self, task_key: str, turn_key: str, seconds: float | None) -> TurnRecord:
+        """Lease a completed turn's survivors for `seconds` from now (None: until end_task); the
+        record after. Raises NoSuchTurn when there is no completed turn here."""
+        won, rec = self.backend.transition(task_key, turn_key, {COMPLETED}, COMPLETED,
+                                           {"expires_at": leases.expires_at(time.time(), seconds)})
+        if rec is None:
+            raise NoSuchTurn(f"no turn {turn_key!r} in task {task_key!r}")
+        if not won:
+            raise NoSuchTurn(f"turn {rec.turn_id!r} of task {rec.task_id!r} is {rec.state}: only a completed "
+                             "turn's survivors have a lease")
+        self.events.emit("lease_set", rec)
+        return rec
 
-    def expire_lease(self, task_key: str, turn_key: str) -> Any:
-        return self._m.expire_lease(task_key, turn_key)
-
-    def spawn_keyed(self, rec: Any, argv: Any, key: str, popen_kwargs: dict[str, Any]) -> Any:
-        return self._m.spawn_keyed(rec, argv, key, popen_kwargs)
+    def expire_lease(self, task_key: str, turn_key: str) -> AbandonResult:
+        """Kill a completed turn's survivors if its lease has run out (reason `lease-expired`); checked
+        under the turn's lock, so a lease extended meanwhile holds. skipped=True when it has not."""
+        return self.abandon_turn(task_key, turn_key, reasons.LEASE_EXPIRED, 0.0, force=True,
+                                 when=lambda rec: leases.expired(rec, time.time()))

@@ -1,71 +1,118 @@
-"""What the TurnManager does about resources, as a mixin of it: limits at the three levels, the audit of
-limits the kernel enforced, pause and resume, leases for survivors, and one instance per key.
+"""Limits at the three levels (managed root, task, turn) and the audit of limits the kernel enforced.
 
-Ownership-level policy over the backend's primitives, like the rest of the manager; a module of its own
-so that `manager.py` keeps to turns and their state changes.
+An object the manager composes (`manager._governance`) over the backend's optional limits capability,
+`backend.limiter` (None where the backend has no cgroups: the registry). Where there is no limiter, a
+limit asked for raises LimitsUnavailable and what is read is empty (no limits, zero counters, no
+pressure). The manager's public limit methods (`set_limits`, `task_usage`, ...) delegate here.
 """
 from __future__ import annotations
 
 import logging
-import subprocess
-import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
-from . import ids, keys, leases, reasons
-from .errors import AlreadyRunning, CgturnError, NoSuchTurn, UnsafeOperation
-from .logfields import turn_fields
-from .kernel import procfs
+from . import ids, reasons
+from .errors import LimitsUnavailable, NoSuchTurn
 from .limits import Limits, Usage, stored_limits
-from .model import COMPLETED, CORRUPT, RUNNING, AbandonResult, TurnRecord
+from .logfields import turn_fields
+from .model import CORRUPT, TurnRecord
+
+if TYPE_CHECKING:
+    from .backends.base import Backend
 
 log = logging.getLogger("cgturn")
 
 
-class GovernanceMixin:
-    """Limits, pause/resume, leases and keys for TurnManager (uses its backend, state_dir, events)."""
+class Limiter(Protocol):
+    """The backend's limits capability (`backend.limiter`): what ownership asks of it."""
 
-    if TYPE_CHECKING:  # what TurnManager provides
-        from .backends.base import Backend
-        from .manager import Listeners
+    def set_turn_limits(self, record: TurnRecord, limits: Limits) -> TurnRecord: ...
+    def set_task_limits(self, task_key: str, limits: Limits) -> None: ...
+    def set_root_limits(self, limits: Limits) -> None: ...
+    def task_limits(self, task_key: str) -> Limits: ...
+    def root_limits(self) -> Limits: ...
+    def limit_counters(self, record: TurnRecord) -> Usage: ...
+    def task_usage(self, task_key: str) -> Usage: ...
+    def root_usage(self) -> Usage: ...
+    def report(self) -> dict[str, Any]: ...
+    def turn_pressure(self, record: TurnRecord) -> dict[str, Any] | None: ...
+    def unthrottle(self, record: TurnRecord) -> None: ...
+    def sweep_v1_dirs(self) -> list[str]: ...
 
-        backend: Backend
-        state_dir: str
-        events: Listeners
 
-        def abandon_turn(self, task_key: str, turn_key: str, reason: str, grace: float, force: bool = False,
-                         when: Callable[[TurnRecord], bool] | None = None) -> AbandonResult: ...
-        def _refuse_if_caller_inside(self, rec: TurnRecord, verb: str = "kill") -> None: ...
+# --- MERGE: delete from here to the end marker once the backends branch gives every backend a
+# `limiter` attribute (PLAN.md interface 2); `limiter_of(backend)` then becomes `backend.limiter`.
+class _TodaysLimiter:
+    """Today's limit methods of a cgroup backend, seen as a `Limiter` (transitional)."""
+
+    def __init__(self, backend: Any) -> None:
+        self._b = backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._b, "limits_report" if name == "report" else name)
+
+
+def limiter_of(backend: "Backend") -> Limiter | None:
+    """`backend.limiter`, or today's backend seen through the same interface (None: the registry)."""
+    if hasattr(backend, "limiter"):
+        limiter: Limiter | None = getattr(backend, "limiter")
+        return limiter
+    if backend.name == "registry":
+        return None
+    today: Limiter = _TodaysLimiter(backend)
+    return today
+# --- MERGE: end of the transitional adapter.
+
+
+def no_limits(backend_name: str) -> LimitsUnavailable:
+    """The error for a limit asked of a backend without a limiter."""
+    return LimitsUnavailable(f"the {backend_name} backend cannot enforce limits (they need cgroups)")
+
+
+class Governance:
+    """Limits and limit events of one manager's turns.
+
+    Args:
+        backend: the manager's backend (records, transitions, task names).
+        state_dir: where the audit log is.
+        limiter: the backend's limits capability, or None where it has none.
+    """
+
+    def __init__(self, backend: "Backend", state_dir: str, limiter: Limiter | None) -> None:
+        self.backend = backend
+        self.state_dir = state_dir
+        self.limiter = limiter
+
+    def _required(self) -> Limiter:
+        if self.limiter is None:
+            raise no_limits(self.backend.name)
+        return self.limiter
 
     def set_limits(self, limits: Limits) -> None:
-        """Set the budget of the managed root: all its turns together (None fields unchanged).
-
-        This is the budget that keeps the gateway and the host alive when no single turn is over its
-        own limit. Set only on cgroups cgturn created, never on the caller's own.
-        Raises LimitsUnavailable when a limit cannot be enforced here.
-        """
-        self.backend.set_root_limits(limits)
+        """Set the managed root's budget (None fields unchanged). Raises LimitsUnavailable."""
+        self._required().set_root_limits(limits)
 
     def limits(self) -> Limits:
-        """The managed root's own limits (empty when none)."""
-        return self.backend.root_limits()
+        """The managed root's own limits (empty when none, or without a limiter)."""
+        return Limits() if self.limiter is None else self.limiter.root_limits()
 
     def usage(self) -> Usage:
-        """What all turns together used, as the managed root's counters say."""
-        return self.backend.root_usage()
+        """What all turns together used, as the managed root's counters say (empty without a limiter)."""
+        return Usage() if self.limiter is None else self.limiter.root_usage()
 
     def set_task_limits(self, task_id: str, limits: Limits) -> None:
-        """Set the budget of a task: all its turns together (None fields unchanged). A task with
-        limits keeps its cgroup between turns, until `end_task`. Raises LimitsUnavailable."""
+        """Set a task's budget. Raises ValueError for an invalid id, LimitsUnavailable."""
         ids.validate(task_id, "task")
-        self.backend.set_task_limits(ids.encode(task_id), limits)
+        self._required().set_task_limits(ids.encode(task_id), limits)
 
     def task_limits(self, task_id: str) -> Limits:
         """A task's own limits (empty when none). Raises NoSuchTurn when the task does not exist."""
-        return self.backend.task_limits(self._existing_task(task_id))
+        key = self._existing_task(task_id)
+        return Limits() if self.limiter is None else self.limiter.task_limits(key)
 
     def task_usage(self, task_id: str) -> Usage:
-        """What all turns of a task used together. Raises NoSuchTurn when the task does not exist."""
-        return self.backend.task_usage(self._existing_task(task_id))
+        """What a task's turns used together. Raises NoSuchTurn when the task does not exist."""
+        key = self._existing_task(task_id)
+        return Usage() if self.limiter is None else self.limiter.task_usage(key)
 
     def _existing_task(self, task_id: str) -> str:
         ids.validate(task_id, "task")
@@ -74,21 +121,28 @@ class GovernanceMixin:
             raise NoSuchTurn(f"no task {task_id!r}")
         return key
 
-    def limits_report(self) -> dict:
-        """`{layout: "v2"|"v1-hybrid"|None, available: [...], problems: [...]}`: which limits this
-        managed root can have, through which layout, and why any cannot."""
-        return self.backend.limits_report()
+    def report(self) -> dict[str, Any]:
+        """`{layout, available, problems}`: which limits the managed root can have, and why not."""
+        if self.limiter is None:
+            return {"layout": None, "available": [], "problems": [str(no_limits(self.backend.name))]}
+        return self.limiter.report()
+
+    def set_turn_limits(self, rec: TurnRecord, limits: Limits) -> TurnRecord:
+        """Change a turn's own limits; the record after. Raises LimitsUnavailable, NoSuchTurn."""
+        return self._required().set_turn_limits(rec, limits)
 
     def check_limits(self, task_key: str, turn_key: str, usage: Usage | None = None,
-                     rec: TurnRecord | None = None) -> list[dict]:
+                     rec: TurnRecord | None = None) -> list[dict[str, Any]]:
         """Audit every limit event of a turn not audited yet (one `limit` record per counter
         increase, whichever process notices first: the counters audited so far live on the turn's
         record, changed under its lock). `usage` and `rec` (the record as just read or written at
         these names) spare the reads when the caller has them. Returns the records written."""
+        if self.limiter is None:
+            return []  # no cgroups: the kernel enforces no limit
         rec = rec if rec is not None else self.backend.load(task_key, turn_key)
         if rec is None or rec.state == CORRUPT:
             return []
-        usage = usage if usage is not None else self.backend.limit_counters(rec)
+        usage = usage if usage is not None else self.limiter.limit_counters(rec)
         if usage.oom_kills <= rec.audited_oom_kills and usage.pids_max_hits <= rec.audited_pids_max_hits:
             return []
         from . import audit
@@ -121,110 +175,9 @@ class GovernanceMixin:
             return False, None  # another process audited these events first
         return True, current
 
-    def freeze_turn(self, task_key: str, turn_key: str, by: str = "user") -> list[int]:
-        """Freeze a running or completed turn's processes (`by`: "user" or "guard"); pids reached.
-
-        Raises:
-            UnsafeOperation: the turn holds the caller, one of its ancestors or PID 1.
-            NoSuchTurn: no such turn, or it was abandoned.
-        """
-        from . import audit
-
-        rec = self._live_record(task_key, turn_key)
-        self._refuse_if_caller_inside(rec, "freeze")
-        # Marked before the freeze is written: a native spawn reads the mark under the turn's lock
-        # and leaves a marked turn to the shim, so it never clones a vfork child into a frozen
-        # cgroup (its caller would wait for the thaw; backends/spawn_paths.py).
-        marked, _ = self.backend.transition(task_key, turn_key, {RUNNING, COMPLETED}, rec.state,
-                                            {"frozen_by": by, "frozen_at": time.time()},
-                                            when=lambda r: r.frozen_by is None)
-        try:
-            pids = self.backend.freeze_members(rec, True)
-        except (CgturnError, OSError):  # refused, or the write failed: not frozen, so not marked either
-            if marked:
-                self.backend.transition(task_key, turn_key, {RUNNING, COMPLETED}, rec.state,
-                                        {"frozen_by": None, "frozen_at": None}, when=lambda r: r.frozen_by == by)
-            raise
-        audit.record_action(self.state_dir, action="freeze", task=rec.task_id, turn=rec.turn_id, reason=by,
-                            pids=pids, backend=self.backend.name)
-        return pids
-
-    def thaw_turn(self, task_key: str, turn_key: str, by: str = "user") -> list[int]:
-        """Thaw a frozen turn. The guard never thaws a turn a user paused (UnsafeOperation)."""
-        from . import audit
-
-        rec = self._live_record(task_key, turn_key)
-        if by == "guard" and rec.frozen_by == "user":
-            raise UnsafeOperation(f"turn {rec.turn_id!r} of task {rec.task_id!r} was paused by a user")
-        self._refuse_if_caller_inside(rec, "thaw")
-        pids = self.backend.freeze_members(rec, False)
-        now = time.time()
-        frozen_for = now - rec.frozen_at if rec.frozen_at is not None else 0.0
-        self.backend.transition(task_key, turn_key, {RUNNING, COMPLETED}, rec.state,
-                                {"frozen_by": None, "frozen_at": None,
-                                 "frozen_seconds": rec.frozen_seconds + max(0.0, frozen_for)})
-        audit.record_action(self.state_dir, action="thaw", task=rec.task_id, turn=rec.turn_id, reason=by,
-                            pids=pids, backend=self.backend.name)
-        return pids
-
-    def _live_record(self, task_key: str, turn_key: str) -> TurnRecord:
-        rec = self.backend.load(task_key, turn_key)
-        if rec is None or rec.state not in (RUNNING, COMPLETED):
-            raise NoSuchTurn(f"no running or completed turn {turn_key!r} in task {task_key!r}")
-        return rec
-
-    def set_lease(self, task_key: str, turn_key: str, seconds: float | None) -> TurnRecord:
-        """Lease a completed turn's survivors for `seconds` from now (None: until end_task); the
-        record after. Raises NoSuchTurn when there is no completed turn here."""
-        won, rec = self.backend.transition(task_key, turn_key, {COMPLETED}, COMPLETED,
-                                           {"expires_at": leases.expires_at(time.time(), seconds)})
-        if rec is None:
-            raise NoSuchTurn(f"no turn {turn_key!r} in task {task_key!r}")
-        if not won:
-            raise NoSuchTurn(f"turn {rec.turn_id!r} of task {rec.task_id!r} is {rec.state}: only a completed "
-                             "turn's survivors have a lease")
-        self.events.emit("lease_set", rec)
-        return rec
-
-    def expire_lease(self, task_key: str, turn_key: str) -> AbandonResult:
-        """Kill a completed turn's survivors if its lease has run out (reason `lease-expired`); checked
-        under the turn's lock, so a lease extended meanwhile holds. skipped=True when it has not."""
-        return self.abandon_turn(task_key, turn_key, reasons.LEASE_EXPIRED, 0.0, force=True,
-                                 when=lambda rec: leases.expired(rec, time.time()))
-
-    def spawn_keyed(self, rec: TurnRecord, argv, key: str, popen_kwargs: dict) -> subprocess.Popen[Any]:
-        """Spawn into `rec`'s turn unless a live process spawned with `key` in its task holds the key
-        (AlreadyRunning); check, spawn and record are one step under the task's lock."""
-        keys.validate(key)
-        with self.backend.task_lock(rec.task_key):
-            for other in self.backend.records(rec.task_key):
-                held = keys.parse(other.keys).get(key)
-                if held is not None and keys.holds(*held):
-                    raise AlreadyRunning(held[0], key, f"key {key!r} of task {rec.task_id!r} is held by process "
-                                                       f"{held[0]} (turn {other.turn_id!r})")
-            proc = self.backend.spawn(rec, argv, popen_kwargs)
-            # Our unreaped child: its start time is its own (on cgroup2 the shim execs the target, same pid).
-            started = procfs.start_time(proc.pid)
-            if started is not None:  # None only once it is gone (and then it holds no key)
-                self._note_key(rec, key, (proc.pid, started))
-        return proc
-
-    def _note_key(self, rec: TurnRecord, key: str, member: tuple[int, int]) -> None:
-        """Record `key` -> member on the turn (dropping keys whose process is gone), under its lock."""
-        for _ in range(3):  # the turn may complete between the load and the write
-            current = self.backend.load(rec.task_key, rec.turn_key)
-            if current is None or current.state not in (RUNNING, COMPLETED):
-                return  # abandoned: its kill takes the process, and the key with it
-            held = {k: v for k, v in keys.parse(current.keys).items() if keys.holds(*v)}
-            held[key] = member
-            won, _ = self.backend.transition(rec.task_key, rec.turn_key, {current.state}, current.state,
-                                             {"keys": keys.dump(held)})
-            if won:
-                return
-
-    def _audit_limits_quietly(self, task_key: str, turn_key: str, usage: Usage | None = None,
-                              rec: TurnRecord | None = None) -> None:
-        """check_limits on a path that must finish (a kill, a completion): never raises."""
+    def audit_limits_quietly(self, task_key: str, turn_key: str, usage: Usage | None = None,
+                             rec: TurnRecord | None = None) -> None:
+        """`check_limits` on a path that must finish (a kill, a completion): never raises."""
         try:
             self.check_limits(task_key, turn_key, usage, rec)
         except Exception:  # noqa: BLE001 - the audit of a limit must not stop a kill

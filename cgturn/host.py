@@ -91,7 +91,11 @@ def doctor_report(root: str | None = None, backend: str | None = None, state_dir
         where = state_dir or os.environ.get("CGTURN_STATE_DIR") or "/nonexistent"
         guard = _guard_report(choose_backend(host, wanted, where), problems)  # creates nothing
         if name == "cgroup2":
-            limits = choose_backend(host, wanted, "/nonexistent").limits_report()  # creates nothing
+            from .governance import limiter_of
+
+            limiter = limiter_of(choose_backend(host, wanted, "/nonexistent"))  # creates nothing
+            if limiter is not None:
+                limits = limiter.report()
         else:
             limits["problems"] = ["the registry backend cannot enforce limits (they need cgroups)"]
     except (ValueError, CgroupUnavailable):
@@ -130,3 +134,19 @@ def _guard_report(backend: Backend, problems: list[str]) -> dict[str, Any] | Non
     elif not alive:
         problems.append(f"pressure guard process {state['owner_pid']} is gone without disarming: no guard runs")
     return report
+
+
+def default_state_dir() -> str:
+    """`/run/cgturn` for root, `$XDG_RUNTIME_DIR/cgturn` (or a per-user /tmp dir) otherwise."""
+    if os.geteuid() == 0:
+        return "/run/cgturn"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return os.path.join(runtime, "cgturn") if runtime else f"/tmp/cgturn-{os.geteuid()}"
+
+
+def sentinel_setting(value: bool | None) -> bool:
+    """Whether a manager may start the sentinel: the constructor keyword wins; else env
+    CGTURN_SENTINEL ("0", "false", "no", "off" disable; default on)."""
+    if value is not None:
+        return bool(value)
+    return os.environ.get("CGTURN_SENTINEL", "1").strip().lower() not in ("0", "false", "no", "off")

@@ -5,14 +5,21 @@ What a key names is the process spawn started (pid + start time, so a reused pid
 not its descendants. Keys live on the turn records (`keys`: JSON `{key: [pid, start]}`), where every
 process can read them; they are written under the turn's lock while the task's lock is held (flock on
 the task's cgroup directory on cgroup v2, the SQLite write transaction on the registry), so a check and
-the spawn that follows it are one step across processes. Helpers here; the manager does the rest.
+the spawn that follows it are one step across processes (`spawn_keyed`).
 """
 from __future__ import annotations
 
 import json
+import subprocess
+from typing import TYPE_CHECKING, Any
 
+from .errors import AlreadyRunning
 from .ids import MAX_ID_BYTES, validate_text
 from .kernel import procfs
+from .model import COMPLETED, RUNNING, Argv, TurnRecord
+
+if TYPE_CHECKING:
+    from .backends.base import Backend
 
 
 def validate(key: object) -> str:
@@ -47,3 +54,41 @@ def holds(pid: int, start: int) -> bool:
 def live(text: str | None) -> dict[str, int]:
     """{key: pid} of a record's keyed spawns that are still alive (what `ps --json` shows)."""
     return {key: pid for key, (pid, start) in parse(text).items() if holds(pid, start)}
+
+
+def spawn_keyed(backend: "Backend", rec: TurnRecord, argv: Argv, key: str,
+                popen_kwargs: dict[str, Any]) -> subprocess.Popen[Any]:
+    """Spawn into `rec`'s turn unless a live process spawned with `key` in its task holds the key;
+    check, spawn and record are one step under the task's lock.
+
+    Raises:
+        AlreadyRunning: a live process of the task holds `key` (`.pid`).
+        ValueError: a key that cannot name a spawn; otherwise as `Turn.spawn`.
+    """
+    validate(key)
+    with backend.task_lock(rec.task_key):
+        for other in backend.records(rec.task_key):
+            held = parse(other.keys).get(key)
+            if held is not None and holds(*held):
+                raise AlreadyRunning(held[0], key, f"key {key!r} of task {rec.task_id!r} is held by process "
+                                                   f"{held[0]} (turn {other.turn_id!r})")
+        proc = backend.spawn(rec, argv, popen_kwargs)
+        # Our unreaped child: its start time is its own (on cgroup2 the shim execs the target, same pid).
+        started = procfs.start_time(proc.pid)
+        if started is not None:  # None only once it is gone (and then it holds no key)
+            _note_key(backend, rec, key, (proc.pid, started))
+    return proc
+
+
+def _note_key(backend: "Backend", rec: TurnRecord, key: str, member: tuple[int, int]) -> None:
+    """Record `key` -> member on the turn (dropping keys whose process is gone), under its lock."""
+    for _ in range(3):  # the turn may complete between the load and the write
+        current = backend.load(rec.task_key, rec.turn_key)
+        if current is None or current.state not in (RUNNING, COMPLETED):
+            return  # abandoned: its kill takes the process, and the key with it
+        held = {k: v for k, v in parse(current.keys).items() if holds(*v)}
+        held[key] = member
+        won, _ = backend.transition(rec.task_key, rec.turn_key, {current.state}, current.state,
+                                    {"keys": dump(held)})
+        if won:
+            return

@@ -8,13 +8,23 @@ else fails: the audit log is written last and never raises.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from . import audit
 from .backends.base import Backend
+from .errors import UnsafeOperation
+from .limits import Usage
 from .logfields import turn_fields
 from .model import AbandonResult, TurnRecord
+
+if TYPE_CHECKING:
+    from .governance import Limiter
+
+# Called once a dying turn is empty, before its cgroup (and its counters) go: (task_key, turn_key, usage).
+BeforeRemoval = Callable[[str, str, Usage], None]
 
 log = logging.getLogger("cgturn")
 
@@ -24,13 +34,21 @@ KILL_WAIT = 5.0
 KILL_ATTEMPTS = 3
 
 
+def refuse_if_caller_inside(backend: Backend, rec: TurnRecord, verb: str = "kill") -> None:
+    """Raise UnsafeOperation when the turn at `rec` holds the caller, one of its ancestors or PID 1."""
+    if backend.contains_caller(rec):
+        raise UnsafeOperation(f"refusing to {verb} turn {rec.turn_id!r} of task {rec.task_id!r}: it contains "
+                              f"the calling process, one of its ancestors or PID 1 (caller {os.getpid()})")
+
+
 def kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, state_dir: str,
-              before_removal=None) -> AbandonResult:
+              before_removal: BeforeRemoval | None = None, limiter: "Limiter | None" = None) -> AbandonResult:
     """Kill everything the turn at `rec`'s directory holds, remove it, audit it.
 
-    `rec` must have been read from that directory (its keys are the directory's names).
-    `before_removal(task_key, turn_key, usage)` is called once the turn is empty, with what it used,
-    before its cgroup (and its counters) go.
+    Args:
+        rec: read from the turn's directory (its names are the directory's), already marked abandoned.
+        before_removal: called once the turn is empty, with what it used, before its cgroup goes.
+        limiter: the backend's limits capability: a dying turn's CPU quota is lifted through it.
     """
     started = time.monotonic()
     killed: set[int] = set()
@@ -48,7 +66,8 @@ def kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, stat
     for _ in range(KILL_ATTEMPTS):
         if not empty:
             hit = backend.kill_members(rec)
-            backend.unthrottle(rec)  # the dying processes may exit on every core, not within a quota
+            if limiter is not None:
+                limiter.unthrottle(rec)  # the dying processes may exit on every core, not within a quota
             killed.update(hit)
             if hit and "SIGKILL" not in signals:
                 signals.append("SIGKILL")
@@ -71,7 +90,7 @@ def kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, stat
                          duration_ms=duration_ms, usage=usage)
 
 
-def _final_usage(backend: Backend, rec: TurnRecord, before_removal):
+def _final_usage(backend: Backend, rec: TurnRecord, before_removal: BeforeRemoval | None) -> Usage | None:
     """What the emptied turn used (None if it cannot be read); hands it to `before_removal`."""
     try:
         usage = backend.turn_usage(rec)
@@ -82,3 +101,21 @@ def _final_usage(backend: Backend, rec: TurnRecord, before_removal):
     if before_removal is not None:
         before_removal(rec.task_key, rec.turn_key, usage)
     return usage
+
+
+# Turns of one task whose graces run side by side in end_task (a thread each, while it runs).
+END_TASK_THREADS = 8
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def side_by_side(fn: Callable[[_T], _R], items: list[_T], parallel: bool) -> list[_R]:
+    """[fn(item) for item in items], in up to END_TASK_THREADS threads when `parallel` and there are
+    several (each waits out its own grace: waiting side by side bounds the whole call by one grace)."""
+    if not parallel or len(items) < 2:
+        return [fn(item) for item in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(END_TASK_THREADS, len(items)), thread_name_prefix="cgturn-end") as pool:
+        return list(pool.map(fn, items))

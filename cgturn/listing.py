@@ -5,6 +5,7 @@ One pass per turn over the backend's views, one sock_diag dump for the whole lis
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from . import keys
 from .backends.base import Backend
@@ -12,14 +13,19 @@ from .limits import stored_limits
 from .logfields import turn_fields
 from .model import TurnInfo
 
+if TYPE_CHECKING:
+    from .governance import Limiter
+
 log = logging.getLogger("cgturn")
 
 
-def list_turns(backend: Backend, task_key: str | None = None, detail: bool = False) -> list[TurnInfo]:
+def list_turns(backend: Backend, limiter: "Limiter | None", task_key: str | None = None,
+               detail: bool = False) -> list[TurnInfo]:
     """Every existing turn (of one task), oldest first.
 
-    `detail` also reads every turn's usage figures, pressure and frozen state (what `cgturn ps`
-    shows); without it only turns with limits get their usage read (cheap listings for a dashboard).
+    `detail` also reads every turn's usage figures, pressure (through `limiter`, the backend's limits
+    capability; none without it) and frozen state (what `cgturn ps` shows); without it only turns with
+    limits get their usage read (cheap listings for a dashboard).
     """
     views = backend.views(task_key)
     if not views:
@@ -50,7 +56,7 @@ def list_turns(backend: Backend, task_key: str | None = None, detail: bool = Fal
         if detail or rec.limits or rec.v1_dirs:
             info.usage = backend.turn_usage(rec)
         if detail:
-            info.pressure = backend.turn_pressure(rec)
+            info.pressure = limiter.turn_pressure(rec) if limiter is not None else None
             info.frozen = rec.frozen_by is not None or backend.turn_frozen(rec)
         out.append(info)
     out.sort(key=lambda info: (info.started_at, info.task, info.turn))

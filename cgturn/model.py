@@ -5,11 +5,12 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Sequence, Union
+
+from .ports import Port as Port  # re-exported: `cgturn.model.Port` is where it was first defined
 
 if TYPE_CHECKING:
     from .limits import Limits, Usage
-    from .turn import Turn
 
 RUNNING = "running"
 COMPLETED = "completed"
@@ -138,80 +139,6 @@ class AbandonResult:
     killed_by: int | None = None
     # Turns `end_task` had to leave alone, and why: [{"turn": original id, "error": one line}].
     refused: list[dict[str, str]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class TurnEnded:
-    """The `turn_ended` listener event: a turn completed or was abandoned, by this process.
-
-    Emitted once the end is final: for a completion right after the state change (`reason` None,
-    no figures), for an abandon once the kill is done (`reason`, and the kill's `killed`, `killed_by`,
-    `signals`, `duration_ms`, `usage`). `task_id`/`turn_id` are the original ids; `task_key`/`turn_key`
-    the encoded directory names.
-    """
-
-    task_id: str
-    turn_id: str
-    task_key: str
-    turn_key: str
-    state: str
-    reason: str | None = None
-    killed: list[int] = field(default_factory=list)
-    killed_by: int | None = None
-    signals: list[str] = field(default_factory=list)
-    duration_ms: float = 0.0
-    usage: "Usage | None" = None
-
-    @property
-    def key(self) -> tuple[str, str]:
-        """(task_key, turn_key): the encoded directory names."""
-        return self.task_key, self.turn_key
-
-
-class TurnListener(Protocol):
-    """The hooks of an observer registered with `TurnManager.add_listener` (docs/events.md).
-
-    Every hook is optional: the manager calls the ones an object has. Subclass this to implement a
-    few (the others stay no-ops) and have a type checker check their signatures. Hooks run
-    synchronously in the thread that caused the event, for this process's own actions only; they must
-    be cheap and must not raise (an exception is logged and never reaches the caller).
-    """
-
-    def turn_begun(self, turn: Turn) -> None:
-        """`begin_turn` created `turn` (running)."""
-        return None  # a no-op: subclasses implement the hooks they need
-
-    def turn_touched(self, turn: Turn) -> None:
-        """`turn.touch()` recorded activity (inactivity clocks restart)."""
-        return None
-
-    def turn_ended(self, event: TurnEnded) -> None:
-        """A turn completed or was abandoned by this process (after the kill: its figures are final)."""
-        return None
-
-    def lease_set(self, record: TurnRecord) -> None:
-        """A completed turn's lease was set, moved or cleared (`record.expires_at`, wall clock or None)."""
-        return None
-
-    def manager_closed(self) -> None:
-        """`TurnManager.close()` was called."""
-        return None
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class Port:
-    """A listening socket of a turn: a listening TCP socket or a bound, unconnected UDP socket.
-
-    Ordered (proto, address, port), as `TurnInfo.ports` lists them.
-    """
-
-    proto: str  # "tcp" or "udp"
-    address: str  # as the kernel reports it: "127.0.0.1", "::", "0.0.0.0"
-    port: int
-
-    def to_json(self) -> dict[str, Any]:
-        """`{"proto", "address", "port"}`: one element of `ports` in `cgturn ps --json`."""
-        return {"proto": self.proto, "address": self.address, "port": self.port}
 
 
 @dataclass(slots=True)

@@ -7,6 +7,9 @@ touched.
 """
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 from .ids import validate_text
 
 TIMEOUT = "timeout"              # inactivity timeout (supervisor, sentinel, `cgturn run --timeout`)
@@ -29,8 +32,9 @@ PRESSURE = "pressure"            # the pressure guard abandoned the heaviest tur
 CORRUPT_RECORD = "corrupt-record"  # recovery killed a turn directory without a trustworthy record
 PYTEST_LEAK = "pytest-leak"      # the pytest plugin killed what a test left running
 PYTEST_SESSION_END = "pytest-session-end"
-# Recorded on a turn whose record says it was abandoned by someone who did not say why.
-UNKNOWN = "abandoned"
+# What an abandon is said to be for when the record of who abandoned the turn has no reason (a kill
+# finished for a killer that died before writing one, another process's abandon seen without its note).
+UNRECORDED = "unrecorded"
 
 MAX_REASON_BYTES = 1024
 
@@ -47,3 +51,12 @@ def validate(reason: object) -> str:
     `sys.argv` carries undecodable bytes), and more than MAX_REASON_BYTES bytes.
     """
     return validate_text(reason, "reason", MAX_REASON_BYTES)
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: `reasons.UNKNOWN` was the name of UNRECORDED (and was the state's word "abandoned").
+    if name == "UNKNOWN":
+        warnings.warn("cgturn.reasons.UNKNOWN is deprecated: use cgturn.reasons.UNRECORDED", DeprecationWarning,
+                      stacklevel=2)
+        return UNRECORDED
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,23 +14,21 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import leases, reasons
+from .backends.base import Backend
+from .control import TurnControl
 from .errors import AccessDenied, CgturnError
 from .kernel import procfs
 from .model import ABANDONED, COMPLETED, CORRUPT, RUNNING, TurnRecord
-
-if TYPE_CHECKING:
-    from .backends.base import Backend
-    from .manager import TurnManager
 
 # The actions a recovery pass reports.
 ABANDONED_ACTION = "abandoned"          # a running turn whose owner died
 FINISHED_KILL = "finished-kill"         # an abandon whose killer died midway
 KILLED_CORRUPT = "killed-corrupt"       # a turn directory without a trustworthy record
 REMOVED = "removed"                     # a completed turn with nothing left
-LEASE_EXPIRED = "lease-expired"         # a completed turn whose survivors' lease ran out
+KILLED_EXPIRED = "lease-expired"        # a completed turn whose survivors' lease ran out (reason LEASE_EXPIRED)
 REMOVED_V1 = "removed-v1-dirs"          # v1 directories of a turn that is gone (`path`)
 KILLED_STRAY = "killed-stray"           # a process outside every turn, in a task directory or the root
 OWNER_UNKNOWN = "owner-unknown"         # the owner could not be looked at: left alone
@@ -54,21 +52,25 @@ class RecoveryAction:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
-def recover(manager: "TurnManager") -> list[RecoveryAction]:
-    """Apply the policy above to every turn of `manager`; returns what was done."""
+def recover(control: TurnControl) -> list[RecoveryAction]:
+    """Apply the policy above to every turn of a manager (through its `manager._control`).
+
+    Returns:
+        What was done, one RecoveryAction per turn acted on (or that could not be handled).
+    """
     actions: list[RecoveryAction] = []
-    backend = manager.backend
+    backend = control.backend
     for rec in backend.records():
         if rec.state in (RUNNING, COMPLETED):
-            manager.check_limits(rec.task_key, rec.turn_key)  # limit kills nobody has audited yet
+            control.check_limits(rec.task_key, rec.turn_key)  # limit kills nobody has audited yet
         try:
-            action = _recover_one(manager, rec)
+            action = _recover_one(control, rec)
         except CgturnError as err:
             # One turn that cannot be handled (e.g. it holds the caller) must not stop the rest.
             action = RecoveryAction(ERROR, rec.task_id, rec.turn_id, error=str(err))
         if action is not None:
             actions.append(action)
-    for where, pid in manager.strays():
+    for where, pid in backend.strays():
         try:
             if backend.kill_stray(where, pid):
                 actions.append(RecoveryAction(KILLED_STRAY, _task_of(backend, where), "", killed=[pid]))
@@ -76,9 +78,10 @@ def recover(manager: "TurnManager") -> list[RecoveryAction]:
             actions.append(RecoveryAction(ERROR, _task_of(backend, where), "", error=str(err)))
     for task_key in backend.task_keys():
         backend.remove_task(task_key)  # refuses, harmlessly, while the task still has turns
-    for path in backend.sweep_v1_dirs():
+    limiter = control.governance.limiter
+    for path in limiter.sweep_v1_dirs() if limiter is not None else ():
         actions.append(RecoveryAction(REMOVED_V1, "", "", path=path))
-    _sweep_notes(manager.state_dir)
+    _sweep_notes(control.state_dir)
     return actions
 
 
@@ -103,15 +106,15 @@ def _task_of(backend: Backend, where: str) -> str:
     return "" if name == "." else (ids.decode(name) or name)
 
 
-def _recover_one(manager: "TurnManager", rec: TurnRecord) -> RecoveryAction | None:
+def _recover_one(control: TurnControl, rec: TurnRecord) -> RecoveryAction | None:
     if rec.state == RUNNING:
         try:
-            alive = manager.owner_alive(rec)
+            alive = control.owner_alive(rec)
         except AccessDenied as err:
             return RecoveryAction(OWNER_UNKNOWN, rec.task_id, rec.turn_id, error=str(err))
         if alive:
             return None
-        result = manager.abandon_turn(rec.task_key, rec.turn_key, reasons.OWNER_DIED, grace=0.0)
+        result = control.abandon_turn(rec.task_key, rec.turn_key, reasons.OWNER_DIED, grace=0.0)
         if result.skipped:
             return None
         return RecoveryAction(ABANDONED_ACTION, rec.task_id, rec.turn_id, reasons.OWNER_DIED, result.killed)
@@ -119,16 +122,16 @@ def _recover_one(manager: "TurnManager", rec: TurnRecord) -> RecoveryAction | No
         if procfs.alive_or_unknown(rec.killer_pid, rec.killer_start):
             return None
         # The process that was killing this turn died before it finished: finish for it.
-        result = manager.finish_kill(rec)
+        result = control.finish_kill(rec)
         return RecoveryAction(FINISHED_KILL, rec.task_id, rec.turn_id, rec.reason, result.killed)
     if rec.state == CORRUPT:
-        result = manager.abandon_turn(rec.task_key, rec.turn_key, reasons.CORRUPT_RECORD, grace=0.0)
+        result = control.abandon_turn(rec.task_key, rec.turn_key, reasons.CORRUPT_RECORD, grace=0.0)
         return RecoveryAction(KILLED_CORRUPT, rec.task_id, rec.turn_id, rec.problem, result.killed)
     if leases.expired(rec, time.time()):
-        result = manager.expire_lease(rec.task_key, rec.turn_key)
+        result = control.expire_lease(rec.task_key, rec.turn_key)
         if not result.skipped:
-            return RecoveryAction(LEASE_EXPIRED, rec.task_id, rec.turn_id, reasons.LEASE_EXPIRED, result.killed)
+            return RecoveryAction(KILLED_EXPIRED, rec.task_id, rec.turn_id, reasons.LEASE_EXPIRED, result.killed)
         return None
-    if rec.state == COMPLETED and manager.backend.wait_empty(rec, 0) and manager.backend.remove(rec):
+    if rec.state == COMPLETED and control.backend.wait_empty(rec, 0) and control.backend.remove(rec):
         return RecoveryAction(REMOVED, rec.task_id, rec.turn_id)
     return None

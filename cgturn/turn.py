@@ -6,10 +6,12 @@ import functools
 import os
 import subprocess
 import time
+import warnings
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from . import leases, reasons
+from .control import TurnControl
 from .errors import NoSuchTurn
 from .model import ABANDONED, COMPLETED, RUNNING, AbandonResult, Argv, TurnRecord
 
@@ -17,33 +19,44 @@ if TYPE_CHECKING:
     import asyncio
 
     from .limits import Limits, Usage
-    from .manager import TurnManager
 
 # Handed by the manager to the constructor: `Turn(...)` from anywhere else is refused.
 _MADE_BY_MANAGER = object()
 
 
 class Turn:
-    """One turn of a task. Obtain it from `TurnManager.begin_turn` or `TurnManager.turn`."""
+    """One turn of a task. Obtain it from `TurnManager.begin_turn` or `TurnManager.turn`.
 
-    def __init__(self, manager: "TurnManager", record: TurnRecord, _token: object = None):
+    Its state changes go through the manager's `TurnControl` (`manager._control`); the turn never
+    holds more of the manager than that, its `lease` default and the `manager` property.
+    """
+
+    def __init__(self, manager: Any, control: TurnControl, record: TurnRecord, _token: object = None):
         if _token is not _MADE_BY_MANAGER:
             raise TypeError("Turn objects are made by TurnManager.begin_turn() or TurnManager.turn()")
         self._manager = manager
+        self._control = control
+        self._backend = control.backend
         self._record = record
         self.last_activity = time.monotonic()
 
     @property
-    def manager(self) -> "TurnManager":
-        """The TurnManager this turn belongs to."""
+    def manager(self) -> Any:
+        """The `cgturn.TurnManager` this turn belongs to.
+
+        Typed `Any`: ownership's modules never import the manager module back, so that no import
+        cycle exists at any level (docs/design.md); annotate it as `cgturn.TurnManager` where needed.
+        """
         return self._manager
 
     @property
     def task_id(self) -> str:
+        """The task's original id."""
         return self._record.task_id
 
     @property
     def turn_id(self) -> str:
+        """The turn's original id."""
         return self._record.turn_id
 
     @property
@@ -52,14 +65,23 @@ class Turn:
         return self._record.started_at
 
     @property
-    def key(self) -> tuple[str, str]:
+    def names(self) -> tuple[str, str]:
         """(task_key, turn_key): the encoded directory names (what CGTURN_TASK/CGTURN_TURN hold)."""
         return self._record.task_key, self._record.turn_key
 
     @property
+    def key(self) -> tuple[str, str]:
+        """Deprecated alias of `names` ("key" is what `spawn(key=)` takes)."""
+        warnings.warn("Turn.key is deprecated: use Turn.names", DeprecationWarning, stacklevel=2)
+        return self.names
+
+    @property
     def record(self) -> TurnRecord:
-        """The stored record, read fresh (another process may have changed the state)."""
-        rec = self._manager.backend.load(*self.key)
+        """The stored record (`cgturn.TurnRecord`), read fresh: another process may have changed it.
+
+        A turn whose directory is gone reads as its last known state (a running one as abandoned).
+        """
+        rec = self._backend.load(*self.names)
         if rec is None:
             return _gone(self._record)
         # Threads share this object (a watchdog reads while the worker completes): a read that
@@ -70,6 +92,7 @@ class Turn:
 
     @property
     def state(self) -> str:
+        """"running", "completed", "abandoned" or "corrupt", read fresh from the record."""
         return self.record.state
 
     def __enter__(self) -> "Turn":
@@ -86,12 +109,12 @@ class Turn:
 
     def __repr__(self) -> str:
         rec = self.record
-        return f"<Turn {rec.task_id!r}/{rec.turn_id!r} {rec.state} on {self._manager.backend.name}>"
+        return f"<Turn {rec.task_id!r}/{rec.turn_id!r} {rec.state} on {self._backend.name}>"
 
     @property
     def environment(self) -> dict[str, str]:
         """The variables every process of the turn gets: CGTURN_TASK, CGTURN_TURN, CGTURN_SCOPE."""
-        return self._manager.backend.env_for(self._record)
+        return self._backend.env_for(self._record)
 
     def wait_empty(self, timeout: float) -> bool:
         """Wait until no process of the turn is left; True if that happened within `timeout` s.
@@ -99,7 +122,7 @@ class Turn:
         Event-driven on cgroup v2 (`populated 0` in cgroup.events): exact even when a grandchild
         still holds the stdout pipe that makes "has the command finished?" look false.
         """
-        return self._manager.backend.wait_empty(self._record, timeout)
+        return self._backend.wait_empty(self._record, timeout)
 
     async def await_empty(self, timeout: float) -> bool:
         """`wait_empty` for asyncio: the wait runs in a worker thread, never on the loop."""
@@ -109,7 +132,7 @@ class Turn:
 
     def pids(self) -> list[int]:
         """Pids of the turn's live processes."""
-        return sorted(pid for pid, _ in self._manager.backend.members(self._record))
+        return sorted(pid for pid, _ in self._backend.members(self._record))
 
     def spawn(self, argv: Argv, *, key: str | None = None,
               **popen_kwargs: Any) -> subprocess.Popen[Any]:
@@ -135,9 +158,9 @@ class Turn:
         """
         # The backend checks that the turn is still running, at the moment that makes it race-free.
         if key is not None:
-            proc = self._manager.spawn_keyed(self._record, argv, key, popen_kwargs)
+            proc = self._control.spawn_keyed(self._record, argv, key, popen_kwargs)
         else:
-            proc = self._manager.backend.spawn(self._record, argv, popen_kwargs)
+            proc = self._backend.spawn(self._record, argv, popen_kwargs)
         proc.args = argv  # Popen's own rule: what the caller passed, not a shim's command line
         return proc
 
@@ -181,7 +204,7 @@ class Turn:
         rec = self.record
         if rec.state != RUNNING:
             raise NoSuchTurn(f"turn {rec.turn_id!r} of task {rec.task_id!r} is {rec.state}; cannot adopt")
-        self._manager.adopt_into(rec, pid)
+        self._control.adopt_into(rec, pid)
 
     def enter(self) -> None:
         """Make the calling process part of the turn: what it starts from now on belongs to it.
@@ -193,7 +216,7 @@ class Turn:
         rec = self.record
         if rec.state != RUNNING:
             raise NoSuchTurn(f"turn {rec.turn_id!r} of task {rec.task_id!r} is {rec.state}; cannot enter")
-        self._manager.backend.enter(rec)
+        self._backend.enter(rec)
 
     def set_limits(self, limits: "Limits") -> None:
         """Change what the turn may use (fields left None stay as they are; "max" removes a limit).
@@ -206,7 +229,7 @@ class Turn:
             LimitsUnavailable: a limit cannot be enforced here; nothing changed.
             NoSuchTurn: the turn is gone.
         """
-        self._record = self._manager.backend.set_turn_limits(self.record, limits)
+        self._record = self._control.set_turn_limits(self.record, limits)
 
     def limits(self) -> "Limits":
         """The limits set on the turn itself (its task's and the root's apply too)."""
@@ -217,7 +240,7 @@ class Turn:
     def usage(self) -> "Usage":
         """What the turn used and which limits the kernel enforced on it: OOM kills, pids-limit hits,
         peak memory, CPU time and CPU throttled time. Readable while the turn's cgroup exists."""
-        return self._manager.backend.turn_usage(self.record)
+        return self._backend.turn_usage(self.record)
 
     def freeze(self) -> list[int]:
         """Pause the turn: every process stops where it is (cgroup.freeze, 5.2+; SIGSTOP on the
@@ -225,21 +248,38 @@ class Turn:
 
         Raises UnsafeOperation when the turn holds the caller; NoSuchTurn when it has ended.
         """
-        return self._manager.freeze_turn(*self.key, by="user")
+        return self._control.freeze_turn(*self.names, by="user")
 
     def thaw(self) -> list[int]:
-        """Resume a frozen turn (paused by a user or frozen by the pressure guard)."""
-        return self._manager.thaw_turn(*self.key, by="user")
+        """Resume a frozen turn (paused by a user or frozen by the pressure guard).
+
+        Returns the pids reached. Raises UnsafeOperation when the turn holds the caller; NoSuchTurn
+        when it has ended.
+        """
+        return self._control.thaw_turn(*self.names, by="user")
+
+    def check_limits(self) -> list[dict[str, Any]]:
+        """Audit the limits the kernel enforced on the turn since they were last audited.
+
+        One `limit` audit record per increase of the turn's OOM-kill or pids-limit counters
+        (`memory.events` oom_kill, `pids.events` max; `memory.oom_control` on v1), written by
+        whichever process notices first: the counters audited so far live on the turn's record,
+        raised under its lock. Nothing to do where the backend enforces no limits.
+
+        Returns:
+            The audit records this call wrote (empty when another process had written them).
+        """
+        return self._control.check_limits(*self.names)
 
     @property
     def frozen(self) -> bool:
         """True while the turn is frozen."""
-        return self._manager.backend.turn_frozen(self.record) or self.record.frozen_by is not None
+        return self._backend.turn_frozen(self.record) or self.record.frozen_by is not None
 
     def touch(self) -> None:
         """Report activity (resets the inactivity timeout of a supervised turn)."""
         self.last_activity = time.monotonic()
-        self._manager.events.emit("turn_touched", self)
+        self._control.events.emit("turn_touched", self)
 
     def complete(self, keep_for: float | None = None) -> bool:
         """Release ownership: what the turn left running survives every later (unforced) abandon.
@@ -258,7 +298,7 @@ class Turn:
         """`complete`, and with `figures` what the turn used, read in the same step (the supervisor's
         outcome): (won, usage or None)."""
         keep_for = leases.validate(keep_for)
-        won, rec, usage = self._manager.complete_turn(*self.key, self._manager.lease if keep_for is None else keep_for,
+        won, rec, usage = self._control.complete_turn(*self.names, self._manager.lease if keep_for is None else keep_for,
                                                       figures)
         if rec is not None:
             self._record = rec
@@ -270,7 +310,7 @@ class Turn:
         Raises NoSuchTurn when the turn is not completed (a running turn's processes are not
         survivors yet), ValueError for a negative or non-numeric value.
         """
-        self._record = self._manager.set_lease(*self.key, leases.validate(seconds, "seconds"))
+        self._record = self._control.set_lease(*self.names, leases.validate(seconds, "seconds"))
 
     @property
     def expires_at(self) -> float | None:
@@ -291,7 +331,7 @@ class Turn:
         if not grace >= 0:
             raise ValueError("grace must be >= 0")
         reasons.validate(reason)
-        result = self._manager.abandon_turn(*self.key, reason, grace, force)
+        result = self._control.abandon_turn(*self.names, reason, grace, force)
         if not result.skipped:
             # The turn's record is removed with it; keep what we know so .state/.reason stay true.
             self._record = dataclasses.replace(self._record, state=ABANDONED, reason=reason)
@@ -309,9 +349,9 @@ class Turn:
         return await asyncio.to_thread(self.abandon, reason, grace, force)
 
 
-def make_turn(manager: "TurnManager", record: TurnRecord) -> Turn:
+def make_turn(manager: Any, control: TurnControl, record: TurnRecord) -> Turn:
     """The manager's factory for Turn objects."""
-    return Turn(manager, record, _MADE_BY_MANAGER)
+    return Turn(manager, control, record, _MADE_BY_MANAGER)
 
 
 def _gone(rec: TurnRecord) -> TurnRecord:

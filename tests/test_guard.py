@@ -310,13 +310,13 @@ def test_guard_never_thaws_or_abandons_a_user_paused_turn(cgroup2_root, state_di
     with _guarded(cgroup2_root, state_dir, gateway, thaw_after=600, abandon_after=0.5) as mgr:
         paused = mgr.begin_turn("t", "paused")
         paused.spawn([PY, "-c", BUSY])
-        mgr.freeze_turn(*paused.key, by="user")
+        mgr._control.freeze_turn(*paused.names, by="user")
         hog = _hog(mgr)
         assert wait_until(lambda: _kills(state_dir, "hog"), timeout=DEADLINE)
         rec = paused.record
         assert (rec.state, rec.frozen_by) == ("running", "user")
         assert [r["action"] for r in audit_records(state_dir, "paused")] == ["freeze"]
-        mgr.thaw_turn(*paused.key)
+        mgr._control.thaw_turn(*paused.names)
         paused.abandon("test-done", grace=0)
 
 

@@ -146,12 +146,12 @@ def test_memory_limit_oom_kills_only_the_turn_and_is_audited_once(mgr, state_dir
     assert 50 * MiB - 16 * PAGE <= usage.memory_peak_bytes <= 50 * MiB
     assert calm.poll() is None and alive(calm.pid) and neighbour.usage().oom_kills == 0
 
-    first = mgr.check_limits(*turn.key)
+    first = turn.check_limits()
     assert [(r["reason"], r["turn"], r["limit"]) for r in first] == [("oom", "h1", 50 * MiB)]
     assert first[0]["count"] == usage.oom_kills
-    assert mgr.check_limits(*turn.key) == []
+    assert turn.check_limits() == []
     with TurnManager(root=mgr.root, backend="cgroup2", state_dir=state_dir) as second:
-        assert second.check_limits(*turn.key) == []
+        assert second._control.check_limits(*turn.names) == []
     reaped = cli(mgr.root, state_dir, "reap", "--json")  # another process: the owner (we) lives
     assert reaped.returncode == 0, reaped.stderr
     result = turn.abandon("test", grace=0)
@@ -291,7 +291,7 @@ def test_limits_hold_for_survivors_of_a_completed_turn(mgr, state_dir):
     survivor.communicate(timeout=60)
     assert survivor.returncode == -signal.SIGKILL
     assert turn.usage().oom_kills == 1
-    assert [r["reason"] for r in (mgr.check_limits(*turn.key))] == ["oom"]
+    assert [r["reason"] for r in (turn.check_limits())] == ["oom"]
     mgr.end_task("keep")
     assert not any(os.path.exists(d) for d in v1_dirs(mgr, "keep").values())
 

@@ -124,7 +124,7 @@ def test_abandon_of_a_paused_turn_kills_it(manager):
     assert wait_until(lambda: not any(alive(pid) for pid in pids))
     assert manager.turns("pause") == []
     with pytest.raises(NoSuchTurn):
-        manager.freeze_turn(*turn.key)
+        manager._control.freeze_turn(*turn.names)
 
 
 def test_a_completed_turns_survivor_can_be_paused(manager):

@@ -219,7 +219,7 @@ def _audit_limits(turn) -> None:
     whoever notices first). A turn that completes with survivors keeps its cgroup, so completion
     itself does not audit it: this does. A failure is reported and never changes CMD's status."""
     try:
-        turn.manager.check_limits(*turn.key)
+        turn.check_limits()
     except CgturnError as err:
         print(f"cgturn: warning: cannot check the turn's limits: {err}", file=sys.stderr)
 

@@ -15,7 +15,7 @@ import os
 import socket
 from typing import Iterable
 
-from ..model import Port
+from ..ports import Port
 from . import procfs, sockdiag
 from .cgroupfs import walk_tree
 from .sockdiag import ListeningSocket
