@@ -175,6 +175,7 @@ class Usage:
     cpu_throttled_seconds: float | None = None
 
     def to_json(self) -> dict[str, Any]:
+        """Every figure by field name: the `usage` object of `cgturn limits --json` and the audit log."""
         return dataclasses.asdict(self)
 
 

@@ -73,6 +73,7 @@ class TurnRecord:
     problem: str | None = None
 
     def to_json(self) -> dict[str, Any]:
+        """The stored fields by name (what the backends write; `problem` is never stored)."""
         # Every stored field is a str, a number, a bool or None: no deep copy needed (asdict's cost a
         # twentieth of a turn's churn).
         return {name: getattr(self, name) for name in STORED_FIELDS}

@@ -27,7 +27,7 @@ import time
 import uuid
 from urllib.parse import parse_qs, urlsplit
 
-from cgturn import Outcome, Run, Supervisor, TurnManager, areap_disconnected
+from cgturn import Outcome, Run, Supervisor, TurnManager, aabandon_disconnected
 
 PIPE, STDOUT = asyncio.subprocess.PIPE, asyncio.subprocess.STDOUT
 
@@ -58,7 +58,7 @@ class Gateway:
 
         async def watch_client() -> None:                     # EOF: the client went away mid-turn
             await reader.read()
-            await areap_disconnected(run)                     # a no-op once the turn completed
+            await aabandon_disconnected(run)                  # a no-op once the turn completed
 
         watcher = asyncio.create_task(watch_client())
         try:
