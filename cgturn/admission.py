@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 from .backends import guard_state
 from .errors import Overloaded
@@ -42,3 +43,28 @@ def wait_time(backend, until: float) -> float | None:
 
 def _clock(ts) -> str:
     return time.strftime("%H:%M:%S", time.localtime(ts)) if isinstance(ts, (int, float)) else "?"
+
+
+def admit(backend: Any, admit_timeout: float | None) -> None:
+    """Wait (sleeping) until a turn may start; at once when `admit_timeout` is None.
+
+    Raises:
+        ValueError: a timeout that is not a finite number >= 0.
+        Overloaded: the guard still reports pressure after `admit_timeout` seconds.
+    """
+    if admit_timeout is None:
+        return
+    until = deadline(admit_timeout)
+    while (pause := wait_time(backend, until)) is not None:
+        time.sleep(pause)
+
+
+async def aadmit(backend: Any, admit_timeout: float | None) -> None:
+    """`admit` for asyncio: each wait is an asyncio.sleep (each check is one getxattr). Raises as `admit`."""
+    if admit_timeout is None:
+        return
+    import asyncio
+
+    until = deadline(admit_timeout)
+    while (pause := wait_time(backend, until)) is not None:
+        await asyncio.sleep(pause)

@@ -17,7 +17,7 @@ import subprocess
 import time
 from typing import Any, Callable
 
-from . import freezing, keys, killing, leases, reasons
+from . import freezing, ids, keys, killing, leases, reasons
 from .backends.base import Backend
 from .errors import AccessDenied, NoSuchProcess, NoSuchTurn, UnsafeOperation
 from .events import Listeners, TurnEnded
@@ -48,6 +48,16 @@ class TurnControl:
         self.state_dir = state_dir
         self.events = events
         self.governance = governance
+
+    def create_turn(self, task_id: str, turn_id: str, limits: Limits | None, seal: bool, network: str) -> TurnRecord:
+        """Create the turn these (validated) ids name, owned by the calling process; its record.
+        Raises as `TurnManager.begin_turn`."""
+        record = TurnRecord(task_id=task_id, turn_id=turn_id, task_key=ids.encode(task_id),
+                            turn_key=ids.encode(turn_id), state=RUNNING, owner_pid=os.getpid(),
+                            owner_start=procfs.own_start_time(), started_at=time.time(),
+                            sealed=bool(seal), network=network)
+        self.backend.create_turn(record, limits)
+        return record
 
     # --- look-ups ---------------------------------------------------------------------------------
 

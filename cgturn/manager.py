@@ -6,6 +6,9 @@ are on its `TurnControl` (`manager._control`, cgturn.control), limits on its `Go
 (cgturn.governance), listing in cgturn.listing, recovery in cgturn.recovery. What a turn is comes from
 the directory (or registry row) it was resolved to, never from a record's claims: a record that does
 not agree with its directory reads as a CORRUPT turn, which any abandon kills.
+
+A little over 350 lines: what is left here is the API applications call, each method with its
+documentation; the work is in the modules above.
 """
 from __future__ import annotations
 
@@ -20,9 +23,8 @@ from .errors import NoSuchTurn, UnsafeOperation
 from .events import Listeners, ManagerAddOn
 from .governance import Governance, limiter_of
 from .host import choose_backend, default_state_dir, discover_host, sentinel_setting, wanted_backend
-from .kernel import procfs
 from .limits import Limits, Usage
-from .model import NETWORKS, RUNNING, AbandonResult, TurnInfo, TurnRecord
+from .model import NETWORKS, AbandonResult, TurnInfo
 from .turn import Turn, make_turn
 
 if TYPE_CHECKING:
@@ -157,17 +159,8 @@ class TurnManager:
         turn_id = ids.new_turn_id() if turn_id is None else ids.validate(turn_id, "turn")
         if network not in NETWORKS:
             raise ValueError(f"network must be one of {', '.join(NETWORKS)}: {network!r}")
-        if admit_timeout is not None:
-            deadline = admission.deadline(admit_timeout)
-            while (pause := admission.wait_time(self.backend, deadline)) is not None:
-                time.sleep(pause)
-        me = os.getpid()
-        record = TurnRecord(task_id=task_id, turn_id=turn_id, task_key=ids.encode(task_id),
-                            turn_key=ids.encode(turn_id), state=RUNNING, owner_pid=me,
-                            owner_start=procfs.own_start_time(), started_at=time.time(),
-                            sealed=bool(seal), network=network)
-        self.backend.create_turn(record, limits)
-        turn = make_turn(self, self._control, record)
+        admission.admit(self.backend, admit_timeout)
+        turn = make_turn(self, self._control, self._control.create_turn(task_id, turn_id, limits, seal, network))
         self.events.emit("turn_begun", turn)
         return turn
 
@@ -178,10 +171,7 @@ class TurnManager:
         import asyncio
 
         ids.validate(task_id, "task")
-        if admit_timeout is not None:
-            deadline = admission.deadline(admit_timeout)
-            while (pause := admission.wait_time(self.backend, deadline)) is not None:  # one getxattr
-                await asyncio.sleep(pause)
+        await admission.aadmit(self.backend, admit_timeout)
         return await asyncio.to_thread(self.begin_turn, task_id, turn_id, limits=limits, seal=seal, network=network)
 
     def turn(self, task_id: str, turn_id: str) -> Turn:

@@ -48,9 +48,9 @@ def test_the_process_is_in_its_turn_from_its_first_act(turn):
     assert isinstance(proc, asyncio.subprocess.Process)
     assert proc.returncode == 0
     if turn.manager.backend.name == "cgroup2":
-        task_key, turn_key = turn.key
+        task_key, turn_key = turn.names
         assert f"0::/{os.path.basename(turn.manager.backend.root.path)}/{task_key}/{turn_key}\n".encode() in out
-    assert f"CGTURN_TURN={turn.key[1]}".encode() in out
+    assert f"CGTURN_TURN={turn.names[1]}".encode() in out
 
 
 def test_pipes_end_when_the_command_exits_while_its_server_keeps_them(turn, tmp_path):

@@ -47,7 +47,7 @@ def test_begin_touch_complete_and_lease_events_carry_the_original_ids(manager):
     turn.complete(keep_for=600)
     [ended] = rec.ended()
     assert (ended.task_id, ended.turn_id, ended.state, ended.reason) == (TASK, TURN, COMPLETED, None)
-    assert (ended.task_key, ended.turn_key) == turn.key and ended.key == turn.key
+    assert (ended.task_key, ended.turn_key) == turn.names and ended.names == turn.names
     assert (ended.killed, ended.killed_by, ended.signals) == ([], None, [])
     assert rec.seen[:2] == [("begun", TASK, TURN), ("touched", TASK, TURN)]
     [lease] = [item for item in rec.seen if item[0] == "lease"]

@@ -132,7 +132,7 @@ def test_memory_limit_oom_kills_only_the_turn_and_is_audited_once(mgr, state_dir
     neighbour = mgr.begin_turn("neighbour", "n1", limits=Limits(memory_max=50 * MiB))
     calm = neighbour.spawn(SLEEP)
     turn = mgr.begin_turn("hog", "h1", limits=Limits(memory_max=50 * MiB))
-    dirs = v1_dirs(mgr, *turn.key)
+    dirs = v1_dirs(mgr, *turn.names)
     assert read_v1(dirs["memory"], "memory.limit_in_bytes") == str(50 * MiB)
     # The target's first look at itself already finds it inside the limits (spawn joins before exec).
     first_look = turn.spawn(["cat", "/proc/self/cgroup"], stdout=subprocess.PIPE, text=True).communicate(timeout=10)[0]
@@ -167,7 +167,7 @@ def test_memory_limit_oom_kills_only_the_turn_and_is_audited_once(mgr, state_dir
 
 def test_pids_limit_contains_a_fork_loop(mgr, state_dir):
     turn = mgr.begin_turn("forks", "f1", limits=Limits(pids_max=50))
-    assert read_v1(v1_dirs(mgr, *turn.key)["pids"], "pids.max") == "50"
+    assert read_v1(v1_dirs(mgr, *turn.names)["pids"], "pids.max") == "50"
     loop = turn.spawn([PY, "-c", FORK_LOOP], stdout=subprocess.PIPE, text=True)
     out, _ = loop.communicate(timeout=60)
     forked, failed = map(int, out.split())
@@ -184,7 +184,7 @@ def test_pids_limit_contains_a_fork_loop(mgr, state_dir):
 
 def test_half_a_cpu_throttles_two_busy_loops(mgr):
     turn = mgr.begin_turn("cpu", "c1", limits=Limits(cpus=0.5))
-    cpu_dir = v1_dirs(mgr, *turn.key)["cpu"]
+    cpu_dir = v1_dirs(mgr, *turn.names)["cpu"]
     assert (read_v1(cpu_dir, "cpu.cfs_quota_us"), read_v1(cpu_dir, "cpu.cfs_period_us")) == ("50000", "100000")
     t0 = time.monotonic()
     busy = turn.spawn([PY, "-c", BUSY, "2"])
@@ -267,7 +267,7 @@ def test_root_budget_alone_gives_every_turn_v1_dirs(mgr):
     mgr.set_limits(Limits(memory_max=60 * MiB))
     turn = mgr.begin_turn("plain", "p1")  # no limits of its own: the root's still apply
     assert turn.limits() == Limits()
-    dirs = v1_dirs(mgr, *turn.key)
+    dirs = v1_dirs(mgr, *turn.names)
     calm = turn.spawn(SLEEP)
     assert in_v1_dirs(calm.pid, dirs)
     hog = start_alloc(turn, 200)
@@ -310,7 +310,7 @@ SPAWNER = textwrap.dedent("""
 
 def test_set_limits_on_a_running_turn_moves_its_processes(mgr):
     turn = mgr.begin_turn("late", "l1")
-    dirs = v1_dirs(mgr, *turn.key)
+    dirs = v1_dirs(mgr, *turn.names)
     assert not any(os.path.exists(d) for d in dirs.values())  # no limit anywhere: no v1 directories
     parent = turn.spawn([PY, "-c", SPAWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
@@ -368,7 +368,7 @@ def test_reap_removes_v1_dirs_left_behind_their_turn(mgr, state_dir):
     sibling = mgr.begin_turn("half", "h0", limits=Limits(pids_max=20))
     sibling_proc = sibling.spawn(SLEEP)
     turn = mgr.begin_turn("half", "h1", limits=Limits(pids_max=20))
-    dirs = v1_dirs(mgr, *turn.key)
+    dirs = v1_dirs(mgr, *turn.names)
     # An owner that died between the two removals: the cgroup2 directory is gone, the v1 ones are not.
     assert Cgroup(turn_dir(mgr, turn)).remove_tree(timeout=2.0)
     assert all(os.path.isdir(d) for d in dirs.values())
@@ -377,14 +377,14 @@ def test_reap_removes_v1_dirs_left_behind_their_turn(mgr, state_dir):
     removed = sorted(a["path"] for a in json.loads(out.stdout) if a["action"] == "removed-v1-dirs")
     assert removed == sorted(dirs.values())
     assert not any(os.path.exists(d) for d in dirs.values())
-    assert in_v1_dirs(sibling_proc.pid, v1_dirs(mgr, *sibling.key))  # the live turn's are untouched
+    assert in_v1_dirs(sibling_proc.pid, v1_dirs(mgr, *sibling.names))  # the live turn's are untouched
     sibling.abandon("test", grace=0)
 
 
 @pytest.mark.parametrize("ending", ["abandon", "complete", "end_task"])
 def test_a_turns_v1_dirs_go_with_it(mgr, ending):
     turn = mgr.begin_turn("ends", "e1", limits=Limits(memory_max=64 * MiB, pids_max=20, cpus=1.0))
-    dirs = v1_dirs(mgr, *turn.key)
+    dirs = v1_dirs(mgr, *turn.names)
     proc = turn.spawn(SLEEP)
     assert all(os.path.isdir(d) for d in dirs.values()) and in_v1_dirs(proc.pid, dirs)
     if ending == "abandon":
@@ -429,7 +429,7 @@ def test_v1_refusal_on_a_running_turn_changes_nothing(mgr):
     with pytest.raises(LimitsUnavailable, match="memory_high"):
         turn.set_limits(Limits(memory_high=64 * MiB, pids_max=20))
     assert turn.limits() == Limits(pids_max=10)
-    assert read_v1(v1_dirs(mgr, *turn.key)["pids"], "pids.max") == "10"
+    assert read_v1(v1_dirs(mgr, *turn.names)["pids"], "pids.max") == "10"
     turn.complete()
 
 
@@ -695,9 +695,9 @@ def test_a_dying_turn_loses_its_cpu_quota(mgr):
     """After SIGKILL nothing useful runs in the turn; its exit work may use every core (a 1-core
     quota doubled the abandon of 500 processes here)."""
     turn = mgr.begin_turn("unthrottle", "t", limits=Limits(cpus=0.5, pids_max=64))
-    quota = os.path.join(v1_dirs(mgr, *turn.key)["cpu"], "cpu.cfs_quota_us")
+    quota = os.path.join(v1_dirs(mgr, *turn.names)["cpu"], "cpu.cfs_quota_us")
     assert open(quota).read().strip() == "50000"
     mgr.backend.unthrottle(turn.record)
     assert open(quota).read().strip() == "-1"
-    assert open(os.path.join(v1_dirs(mgr, *turn.key)["pids"], "pids.max")).read().strip() == "64"
+    assert open(os.path.join(v1_dirs(mgr, *turn.names)["pids"], "pids.max")).read().strip() == "64"
     turn.abandon("done", grace=0)

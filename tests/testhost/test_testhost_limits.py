@@ -72,7 +72,7 @@ def flat(directory: str, name: str) -> dict[str, int]:
 
 
 def turn_dir(mgr: TurnManager, turn) -> str:
-    task_key, turn_key = turn.key
+    task_key, turn_key = turn.names
     return f"{mgr.root}/{task_key}/{turn_key}"
 
 
