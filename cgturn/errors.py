@@ -1,4 +1,6 @@
-"""The one exception hierarchy cgturn raises, and the one place OSError is translated into it.
+"""The one exception hierarchy cgturn raises, and `translate`, which maps an OSError from cgroupfs
+into it (an OSError from /proc is mapped by cgturn.kernel.procfs, which tells "gone", NoSuchProcess,
+from "can't look", AccessDenied).
 
 Callers catch `CgturnError` for anything cgturn-specific and a subclass for the cases they handle.
 Invalid ids raise the builtin `ValueError`, as any Python API does for a bad argument.

@@ -21,8 +21,17 @@ BACKENDS = ("auto", "cgroup2", "registry")
 
 
 def discover_host(root: str | None = None) -> HostInfo:
-    """The cgroup2 mount, the caller's cgroup and the managed root (`root`, else CGTURN_ROOT, else
-    `<own cgroup>/cgturn`), judged usable or not with reasons. Creates nothing."""
+    """What this host offers for owning turns, judged without writing anything.
+
+    Reads /proc/self/mountinfo (the cgroup2 mount), /proc/self/cgroup (the caller's cgroup) and the
+    managed root's parent (writable? `cgroup.kill` present? controllers delegated?). Creates nothing.
+
+    Args:
+        root: the managed root to judge; else env CGTURN_ROOT, else `<own cgroup>/cgturn`.
+
+    Returns:
+        A HostInfo: `usable` or not, with the reasons in `problems`.
+    """
     return discovery.discover(root)
 
 
@@ -77,7 +86,17 @@ def choose_backend(host: HostInfo, wanted: str, state_dir: str) -> Backend:
 
 def doctor_report(root: str | None = None, backend: str | None = None, state_dir: str | None = None) -> dict[str, Any]:
     """What `cgturn doctor --json` prints: the host, the backend that would be used, and why.
-    `state_dir` is where the registry fallback keeps the pressure guard's state."""
+
+    Read-only: it creates nothing (no managed root, no database, no probe directory).
+
+    Args:
+        root, backend: as `TurnManager(root=, backend=)` (and their environment variables).
+        state_dir: where the registry fallback keeps the pressure guard's state.
+
+    Returns:
+        The documented `doctor --json` object (`backend`, `cgroup2_mount`, `managed_root`,
+        `cgroup_kill`, `controllers`, `problems`, `limits`, `spawn_paths`, `guard`, ...).
+    """
     from .backends import spawn_paths
 
     host = discover_host(root)

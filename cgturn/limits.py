@@ -161,8 +161,11 @@ def _check(name: str, value: object, minimum: int) -> None:
 
 @dataclass(slots=True)
 class Usage:
-    """What a turn used, and which limits the kernel enforced on it (counters are the turn's own
-    cgroup's; hierarchical where the kernel makes them so).
+    """What a turn used, and which limits the kernel enforced on it.
+
+    Counters are the turn's own cgroup's (`memory.events` oom_kill, `pids.events` max, `cpu.stat`
+    throttled_usec; on v1 `memory.oom_control`, `memory.max_usage_in_bytes`, `cpu.stat`
+    throttled_time), hierarchical where the kernel makes them so.
 
     `memory_peak_bytes` and `cpu_throttled_seconds` are None where the kernel does not report them
     (no memory or cpu controller on the turn).

@@ -17,6 +17,9 @@ def use(mgr: TurnManager) -> None:
     mgr.add_listener(Hooks())
     turn = mgr.begin_turn("task", limits=cgturn.Limits(memory_max=1 << 30))
     assert_type(turn, Turn)
+    handle: cgturn.TurnHandle = turn  # what listener hooks receive: a Turn satisfies it
+    assert_type(handle.names, tuple[str, str])
+    assert_type(turn.record, cgturn.TurnRecord)
     proc = turn.spawn(["sleep", "1"], stdout=subprocess.DEVNULL)
     assert_type(proc, subprocess.Popen[Any])
     infos = mgr.turns("task")
