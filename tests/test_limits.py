@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from cgturn import Limits, LimitsUnavailable, NoSuchTurn, TurnManager
+from cgturn import Limits, LimitsUnavailable, NoSuchTurn, TurnManager, Usage
 from cgturn.kernel import controllers, parsers
 from cgturn.kernel.cgroupfs import Cgroup
 from cgturn.kernel.controllers import V1, V2, Place
@@ -447,7 +447,15 @@ def test_registry_backend_refuses_every_limit(tmp_path):
             mgr.set_limits(Limits(pids_max=5))
         assert mgr.turns() == []
         assert mgr.limits_report()["layout"] is None
-        mgr.begin_turn("reg", "r1", limits=Limits()).complete()  # no limit asked: nothing refused
+        turn = mgr.begin_turn("reg", "r1", limits=Limits())  # no limit asked: nothing refused
+        with pytest.raises(LimitsUnavailable, match="registry backend"):
+            turn.set_limits(Limits(pids_max=5))
+        # No limiter: what is read is empty, and there is nothing for the kernel to have enforced.
+        assert (mgr.limits(), mgr.usage()) == (Limits(), Usage())
+        assert (mgr.task_limits("reg"), mgr.task_usage("reg")) == (Limits(), Usage())
+        assert turn.check_limits() == [] and turn.limits() == Limits()
+        assert mgr.turns(detail=True)[0].pressure is None
+        turn.complete()
     finally:
         destroy_registry(mgr)
 
@@ -697,7 +705,7 @@ def test_a_dying_turn_loses_its_cpu_quota(mgr):
     turn = mgr.begin_turn("unthrottle", "t", limits=Limits(cpus=0.5, pids_max=64))
     quota = os.path.join(v1_dirs(mgr, *turn.names)["cpu"], "cpu.cfs_quota_us")
     assert open(quota).read().strip() == "50000"
-    mgr.backend.unthrottle(turn.record)
+    mgr._governance.limiter.unthrottle(turn.record)
     assert open(quota).read().strip() == "-1"
     assert open(os.path.join(v1_dirs(mgr, *turn.names)["pids"], "pids.max")).read().strip() == "64"
     turn.abandon("done", grace=0)
