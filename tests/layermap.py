@@ -115,10 +115,11 @@ def _imports(tree: ast.AST) -> list[tuple[ast.Import | ast.ImportFrom, str]]:
             elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                 visit(child, "type" if kind == "type" else "lazy")
             elif isinstance(child, ast.If) and _is_type_checking(child.test):
+                negated = isinstance(child.test, ast.UnaryOp) and isinstance(child.test.op, ast.Not)
                 for stmt in child.body:
-                    visit_stmt(stmt, "type")
+                    visit_stmt(stmt, kind if negated else "type")
                 for stmt in child.orelse:
-                    visit_stmt(stmt, kind)
+                    visit_stmt(stmt, "type" if negated else kind)
             else:
                 visit(child, kind)
 

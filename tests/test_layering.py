@@ -129,7 +129,8 @@ FAKE_FILES = {
     "pkg/stray.py": "",                                              # in no row
     "pkg/cli.py": "import pkg.mid\nfrom pkg import base, nothing\n" + "x = 1\n" * 360,
     "scripts/run.py": "from pkg.cli import main\nfrom pkg.low import y\nimport helper\n",
-    "scripts/helper.py": "# size: a helper that is long on purpose\n" + "y = 2\n" * 360,
+    "scripts/helper.py": "# size: a helper that is long on purpose\nfrom typing import TYPE_CHECKING\n"
+                         "if not TYPE_CHECKING:\n    from pkg import base\n" + "y = 2\n" * 360,  # runs: eager
 }
 
 
@@ -163,6 +164,7 @@ def test_the_rule_check_sees_every_kind_of_forbidden_import(fake):
     # Allowed: a face's `from pkg import base` (a leaf), the root's names, a sibling script.
     assert {(e.source, e.target) for e in fake.edges} >= {
         ("pkg.cli", "pkg.base"), ("pkg.cli", "pkg"), ("scripts.run", "pkg.cli"), ("scripts.run", "scripts.helper")}
+    assert [(e.line, e.kind) for e in fake.edges if e.source == "scripts.helper"] == [(4, "eager")]
 
 
 def test_the_cycle_check_sees_knots_tied_by_type_only_and_lazy_imports(fake):
