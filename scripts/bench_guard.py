@@ -143,7 +143,7 @@ def main() -> int:
     print(f"| trigger window | {window:.0f} | 1.00x |")
     print(f"| crossing -> turn frozen | {reaction:.1f} | {reaction / window:.3f}x |")
     print(f"| hog start -> turn frozen | {total:.0f} | {total / window:.2f}x |")
-    print(f"\nrounds (crossing->frozen, start->frozen ms): "
+    print("\nrounds (crossing->frozen, start->frozen ms): "
           + ", ".join(f"({a:.1f}, {b:.0f})" for a, b in rows))
     return 0
 

@@ -23,7 +23,7 @@ import uuid
 import pytest
 
 from cgturn import errors
-from cgturn.kernel import parsers, procfs
+from cgturn.kernel import procfs
 from conftest import CGROUP2_MOUNT, PY, alive, destroy_cgroup_tree, need_cgroup2, wait_until
 
 NOBODY = 65534
