@@ -1,12 +1,21 @@
-"""The audit trail: one JSON-lines record per kill, whichever process killed (owner, sentinel, CLI).
+"""The audit trail: one JSON-lines record per kill, whichever process killed (owner, sentinel, CLI),
+and the one parser of its lines (the metrics exporter reads the log through it).
 
 Each record goes to the `cgturn.audit` logger and is appended to `<state_dir>/audit.jsonl` with a
 single O_APPEND write, so concurrent writers never interleave within a line.
+
+Format: one JSON object per line with `v` (the format version, FORMAT), `time`, `action` (`kill`
+when absent: the first records had none), `task`, `turn`, `reason`, `backend`, `by_pid`, and per
+action: `pids`, `signals`, `duration_ms` (and `usage`) for a kill, `count` and `limit` for a limit
+event, `pids` for a freeze or thaw. A line without `v` is format 0, which has the same fields: it is
+read exactly as format 1. A later format may add fields; one that changed what these fields mean
+would give them new names, so a reader reads any version's lines by the rules of `parse_line`.
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 
@@ -16,6 +25,10 @@ from .logfields import turn_fields
 log = logging.getLogger("cgturn.audit")
 
 AUDIT_FILE = "audit.jsonl"
+FORMAT = 1
+FORMAT_FIELD = "v"
+KILL = "kill"
+LIMIT = "limit"
 
 
 def audit_path(state_dir: str) -> str:
@@ -28,6 +41,7 @@ def record_kill(state_dir: str, *, task: str, turn: str, reason: str, pids: list
     and must not be reported as failed because the log could not be written. A failing write is
     logged; text that cannot be UTF-8 (a lone surrogate in a reason) is written as a JSON escape."""
     entry = {
+        FORMAT_FIELD: FORMAT,
         "time": time.time(),
         "task": task,
         "turn": turn,
@@ -48,7 +62,7 @@ def record_limit(state_dir: str, *, task: str, turn: str, reason: str, count: in
                  backend: str) -> dict:
     """Write one `limit` record: the kernel enforced a limit on the turn `count` more times (reason
     `oom`: processes OOM-killed; `pids-max`: forks refused). No pids, no signals: not a kill."""
-    entry = {"time": time.time(), "action": "limit", "task": task, "turn": turn, "reason": reason,
+    entry = {FORMAT_FIELD: FORMAT, "time": time.time(), "action": LIMIT, "task": task, "turn": turn, "reason": reason,
              "count": count, "limit": limit, "backend": backend, "by_pid": os.getpid()}
     _append(state_dir, entry)
     return entry
@@ -57,7 +71,7 @@ def record_limit(state_dir: str, *, task: str, turn: str, reason: str, count: in
 def record_action(state_dir: str, *, action: str, task: str, turn: str, reason: str, pids: list[int],
                   backend: str) -> dict:
     """Write one `freeze` or `thaw` record (who asked: reason `user` or `guard`/`pressure`)."""
-    entry = {"time": time.time(), "action": action, "task": task, "turn": turn, "reason": reason,
+    entry = {FORMAT_FIELD: FORMAT, "time": time.time(), "action": action, "task": task, "turn": turn, "reason": reason,
              "pids": sorted(pids), "backend": backend, "by_pid": os.getpid()}
     _append(state_dir, entry)
     return entry
@@ -65,7 +79,7 @@ def record_action(state_dir: str, *, action: str, task: str, turn: str, reason: 
 
 def _append(state_dir: str, entry: dict) -> None:
     line = json.dumps(entry, ensure_ascii=False)
-    log.info(line, extra=turn_fields(entry["task"], entry["turn"], entry["reason"], action=entry.get("action", "kill"),
+    log.info(line, extra=turn_fields(entry["task"], entry["turn"], entry["reason"], action=entry.get("action", KILL),
                                      pids=entry.get("pids", []), record=entry))
     path = audit_path(state_dir)
     try:
@@ -80,12 +94,26 @@ def _append(state_dir: str, entry: dict) -> None:
         log.warning("cannot append to %s: %s", path, err.strerror or err)
 
 
+def open_log(path: str) -> int:
+    """An O_RDONLY fd of the audit log at `path`, refused unless it is a regular file
+    (`statefiles.open_regular`: a FIFO or a symlink to /dev/zero is never read).
+
+    Raises:
+        FileNotFoundError: there is no log (yet).
+        OSError: it cannot be opened, or is not a regular file.
+    """
+    return statefiles.open_regular(path, os.O_RDONLY)
+
+
 def read_records(state_dir: str) -> list[dict]:
-    """Every parseable record of the audit log (oldest first); [] when there is none, or when it is
-    not a regular file (logged)."""
+    """Every record of the audit log that `parse_line` accepts, oldest first.
+
+    Returns:
+        The records as written; [] when there is no log, or when it is not a regular file (logged).
+    """
     path = audit_path(state_dir)
     try:
-        fd = statefiles.open_regular(path, os.O_RDONLY)
+        fd = open_log(path)
     except FileNotFoundError:
         return []
     except OSError as err:
@@ -93,12 +121,76 @@ def read_records(state_dir: str) -> list[dict]:
         return []
     with open(fd, encoding="utf-8", errors="replace") as f:
         lines = f.readlines()
-    out = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
+    return [record for record in map(parse_line, lines) if record is not None]
+
+
+def parse_line(line: bytes | str) -> dict | None:
+    """One audit line as the record it holds, or None when it holds none.
+
+    The log is writable by others, so nothing in it is trusted: a record is a JSON object whose
+    `v` (when present) is a whole number >= 0, whose `action` and `reason` are strings, and whose
+    action's own fields have their types: a kill has a non-empty reason, `pids` a list of ints and
+    `duration_ms` a finite number >= 0 (both may be absent); a limit event a non-empty reason and a
+    whole `count` >= 0 (absent: 1).
+
+    Args:
+        line: one line of the log (its newline may be included).
+
+    Returns:
+        The record as written (absent fields stay absent: read them with `action_of`, `pids_of`,
+        `duration_of`, `count_of`), or None.
+    """
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the parser's limit
+        return None
+    if not isinstance(record, dict):
+        return None
+    version = record.get(FORMAT_FIELD, 0)
+    if not _whole(version):
+        return None
+    action = action_of(record)
+    reason = record.get("reason", None if action in (KILL, LIMIT) else "")
+    if not isinstance(action, str) or not isinstance(reason, str):
+        return None
+    if action == LIMIT:
+        return record if reason and _whole(record.get("count", 1)) else None
+    if action != KILL:
+        return record
+    pids, duration = record.get("pids", []), record.get("duration_ms", 0.0)
+    if not reason or not isinstance(pids, list) or not all(_int(p) for p in pids):
+        return None
+    if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not 0 <= duration < math.inf:
+        return None  # NaN fails the comparison too
+    return record
+
+
+def action_of(record: dict) -> str:
+    """A record's action: `kill` when it has none (the first format's kill records)."""
+    action: str = record.get("action", KILL)
+    return action
+
+
+def pids_of(record: dict) -> list[int]:
+    """The pids a record names ([] when it names none)."""
+    pids: list[int] = record.get("pids", [])
+    return pids
+
+
+def duration_of(record: dict) -> float:
+    """A kill record's duration in seconds (0 when absent)."""
+    return float(record.get("duration_ms", 0.0)) / 1000.0
+
+
+def count_of(record: dict) -> int:
+    """How many times a limit record's counter increased (1 when absent)."""
+    count: int = record.get("count", 1)
+    return count
+
+
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _whole(value: object) -> bool:
+    return _int(value) and value >= 0  # type: ignore[operator]

@@ -10,9 +10,7 @@ Read-only: collecting never recovers, kills or moves anything.
 """
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import threading
 from typing import Callable, Iterable
@@ -20,7 +18,7 @@ from typing import Callable, Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
-from . import audit, statefiles
+from . import audit
 from .model import STATES, TurnInfo
 
 # Upper bounds (seconds) of the abandon-latency histogram: a cgroup.kill lands in ms, a grace period
@@ -44,11 +42,10 @@ class AuditTail:
     """Kill counts and latencies, limit events and guard actions from an audit log, read from where the
     last call stopped.
 
-    The log is writable by others, so nothing in it is trusted: a line that is not a JSON object with
-    the fields and types of a record (a string reason; for a kill a list of int pids and a finite
-    duration >= 0; for a limit event a whole `count` >= 0), or is longer than MAX_LINE bytes, is
-    skipped and counted in `malformed`; a log that is not a
-    regular file (a FIFO, a symlink to /dev/zero) is not read at all (logged).
+    The log is writable by others, so nothing in it is trusted: a line that is no record
+    (`cgturn.audit.parse_line`), or is longer than MAX_LINE bytes, is skipped and counted in
+    `malformed`; a log that is not a regular file (a FIFO, a symlink to /dev/zero) is not read at all
+    (logged).
 
     Args:
         state_dir: the directory holding `audit.jsonl`.
@@ -95,7 +92,7 @@ class AuditTail:
     def _read_new(self) -> bytes | None:
         """The bytes appended since the last call (at most what the file held at fstat), or None."""
         try:
-            fd = statefiles.open_regular(self.path, os.O_RDONLY)
+            fd = audit.open_log(self.path)
         except FileNotFoundError:
             return None
         except OSError as err:
@@ -116,18 +113,18 @@ class AuditTail:
         return data
 
     def _add(self, line: bytes) -> None:
-        record = parse_record(line)
+        record = audit.parse_line(line)
         if record is None:
             self.malformed += 1
             return
-        action, reason = record[0], record[1]
-        if action == "limit":
-            self.limit_events[reason] = self.limit_events.get(reason, 0) + record[2]
+        action, reason = audit.action_of(record), record.get("reason", "")
+        if action == audit.LIMIT:
+            self.limit_events[reason] = self.limit_events.get(reason, 0) + audit.count_of(record)
         elif action in ("freeze", "thaw") and reason == GUARD_BY:
             self.guard_actions[action] += 1
-        if action != "kill":
+        if action != audit.KILL:
             return
-        npids, seconds = record[2], record[3]
+        npids, seconds = len(audit.pids_of(record)), audit.duration_of(record)
         if reason == GUARD_KILL_REASON:
             self.guard_actions["abandon"] += 1
         self.kills[reason] = self.kills.get(reason, 0) + 1
@@ -147,38 +144,6 @@ class AuditTail:
             total += count
             out.append((bound, total))
         return out
-
-
-def parse_record(line: bytes) -> tuple | None:
-    """What one audit line says, or None when it is malformed:
-    `("kill", reason, number of pids, duration in seconds)`, `("limit", reason, count)` (the counter
-    increase it records; 1 when absent), or `(action, reason)` for any other action (reason "" when
-    absent)."""
-    try:
-        record = json.loads(line)
-    except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the parser's limit
-        return None
-    if not isinstance(record, dict):
-        return None
-    action = record.get("action", "kill")  # a record without `action` is a kill
-    reason = record.get("reason", "" if action not in ("kill", "limit") else None)
-    if not isinstance(action, str) or not isinstance(reason, str):
-        return None
-    if action == "limit":
-        count = record.get("count", 1)
-        if not reason or isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            return None
-        return action, reason, count
-    if action != "kill":
-        return action, reason
-    pids, duration = record.get("pids", []), record.get("duration_ms", 0.0)
-    if not reason:
-        return None
-    if not isinstance(pids, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in pids):
-        return None
-    if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not 0 <= duration < math.inf:
-        return None  # NaN fails the comparison too
-    return action, reason, len(pids), duration / 1000.0
 
 
 class TurnCollector:

@@ -12,18 +12,18 @@ Everything lives in one managed root `<cgroup2 mount>/cgturn-bench-<random>` (an
 directory), removed at the end, on errors and on Ctrl-C/SIGTERM. Run as root:
 
     python3 scripts/bench.py [--rounds 3] [--sizes 1,10,100,500,1000] [--quick]
+
+The floors and the helpers the other benches share are in scripts/benchlib.py.
 """
+# size: one table from one run: every row's measurement sits beside the others it is compared with
 from __future__ import annotations
 
 import argparse
 import contextlib
 import ctypes
-import errno
 import json
 import os
 import random
-import select
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,81 +37,14 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # tests/escapers.py: the 
 
 import psutil  # noqa: E402
 
-from cgturn import TurnManager, discover_host  # noqa: E402
-from cgturn.backends import spawn_paths  # noqa: E402
+from benchlib import (  # noqa: E402
+    SHIM, bench_root, cgturn_abandon, churn, destroy, floor_abandon, ms, time_spawn, tree_argv, wait_count)
 
-SHIM = 'echo $$ > "$0" || exit 125; exec "$@"'
-
-
-def tree_argv(n: int) -> list[str]:
-    """A tree of exactly n processes: `sh` and n-1 sleeping children (n=1: one sleep)."""
-    if n == 1:
-        return ["sleep", "300"]
-    return ["sh", "-c", f"i=1; while [ $i -lt {n} ]; do sleep 300 & i=$((i+1)); done; wait"]
+from cgturn import TurnManager  # noqa: E402
+from cgturn.testing import spawn_paths_available  # noqa: E402
 
 
-def wait_count(count, n: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while count() < n:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"tree of {n} did not come up")
-        time.sleep(0.005)
-
-
-def ms(seconds: float) -> float:
-    return seconds * 1000
-
-
-# --- the raw kernel floor: no cgturn code at all ----------------------------------------------------
-
-def read_events(fd: int) -> dict[str, int]:
-    text = os.pread(fd, 4096, 0).decode()
-    return {k: int(v) for k, v in (line.split() for line in text.splitlines())}
-
-
-def floor_abandon(parent: str, n: int) -> float:
-    """mkdir + cgroup.procs (shim) + tree; timed: cgroup.kill + wait for populated 0 + rmdir."""
-    path = os.path.join(parent, f"floor-{uuid.uuid4().hex[:8]}")
-    os.mkdir(path)
-    proc = subprocess.Popen(["/bin/sh", "-c", SHIM, os.path.join(path, "cgroup.procs"), *tree_argv(n)])
-    wait_count(lambda: len(open(os.path.join(path, "cgroup.procs")).read().split()), n)
-    events = os.open(os.path.join(path, "cgroup.events"), os.O_RDONLY)
-    poller = select.poll()
-    poller.register(events, select.POLLPRI)
-    t0 = time.perf_counter()
-    with open(os.path.join(path, "cgroup.kill"), "w") as f:
-        f.write("1")
-    while read_events(events).get("populated", 1):
-        poller.poll(1)  # the kernel rate-limits the notification: re-read at least every ms
-    while True:
-        try:
-            os.rmdir(path)
-            break
-        except OSError as err:
-            if err.errno != errno.EBUSY:
-                raise
-    elapsed = time.perf_counter() - t0
-    os.close(events)
-    proc.wait()
-    return elapsed
-
-
-# --- cgturn backends and the psutil recipe ----------------------------------------------------------
-
-def cgturn_abandon(mgr: TurnManager, n: int, limits=None, check=None) -> float:
-    """abandon(grace=0) of a turn (with `limits`) holding n processes; `check(turn, result)` after."""
-    turn = mgr.begin_turn("bench-abandon", limits=limits)
-    proc = turn.spawn(tree_argv(n))
-    wait_count(lambda: len(turn.pids()), n)
-    t0 = time.perf_counter()
-    result = turn.abandon("bench", grace=0)
-    elapsed = time.perf_counter() - t0
-    proc.wait()
-    if len(result.killed) != n:
-        raise RuntimeError(f"{mgr.backend_name}: killed {len(result.killed)} of {n}")
-    if check is not None:
-        check(turn, result)
-    return elapsed
+# --- the psutil recipe --------------------------------------------------------------------------------
 
 
 def psutil_recipe(mgr: TurnManager, n: int) -> tuple[float, float]:
@@ -245,14 +178,6 @@ def escaper_rows(root_mgr: TurnManager, state_root: str) -> dict[str, tuple[int,
 
 # --- spawn cost, churn, listing --------------------------------------------------------------------
 
-def time_spawn(start) -> tuple[float, float]:
-    """(seconds until `start()` returned, seconds until the process it started has exited)."""
-    t0 = time.perf_counter()
-    p = start()
-    t1 = time.perf_counter()
-    p.wait()
-    return t1 - t0, time.perf_counter() - t0
-
 
 def spawn_rows(root_mgr: TurnManager, state_root: str, count: int) -> dict[str, float]:
     """Median ms per call (start to return) and per start+exit.
@@ -298,18 +223,6 @@ def spawn_rows(root_mgr: TurnManager, state_root: str, count: int) -> dict[str, 
         rturn.abandon("bench", grace=0, force=True)
     turn.abandon("bench", grace=0)
     return {name: (ms(statistics.median(calls[name])), ms(statistics.median(cycles[name]))) for name in calls}
-
-
-def churn(mgr: TurnManager, seconds: float) -> float:
-    """Turns per second: begin + spawn(/bin/true) + wait + complete, back to back."""
-    done = 0
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        turn = mgr.begin_turn("bench-churn")
-        turn.spawn(["/bin/true"]).wait()
-        turn.complete()
-        done += 1
-    return done / (time.perf_counter() - t0)
 
 
 def per_turn_rows(root: str, state: str, count: int) -> dict:
@@ -473,33 +386,6 @@ def read_at(dir_fd: int | None, path: str) -> bytes:
 
 # --- cleanup and the table -------------------------------------------------------------------------
 
-def bench_root() -> str | None:
-    """A fresh managed-root path `<own cgroup2>/cgturn-bench-<random>` (not created), with SIGTERM made
-    a KeyboardInterrupt so the caller's cleanup runs; None (reported) without root or cgroup2."""
-    host = discover_host()
-    if host.cgroup2_mount is None or os.geteuid() != 0:
-        print("needs root and a cgroup2 mount", file=sys.stderr)
-        return None
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    return os.path.join(host.own_cgroup or host.cgroup2_mount, f"cgturn-bench-{uuid.uuid4().hex[:8]}")
-
-
-def destroy(root: str) -> None:
-    """Kill whatever is left under the bench root (never holds this process) and remove it."""
-    if not os.path.isdir(root):
-        return
-    with contextlib.suppress(OSError), open(os.path.join(root, "cgroup.kill"), "w") as f:
-        f.write("1")
-    for dirpath, _, _ in sorted(os.walk(root), key=lambda entry: -len(entry[0])):
-        for _ in range(200):
-            try:
-                os.rmdir(dirpath)
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.01)
-
 
 def print_per_turn(per_turn: dict) -> None:
     floor = per_turn["mkdir + rmdir, cgroup"]
@@ -548,7 +434,7 @@ def print_table(abandon, escaped, spawn, churn_rates, per_turn, listing) -> None
           + " |")
     base_call, base_cycle = spawn["Popen"]
     print("\n## Spawn cost (median ms per process, /bin/true)\n")
-    print(f"(Turn.spawn cgroup2 takes the first of the spawn paths here: {', '.join(spawn_paths.available())})\n")
+    print(f"(Turn.spawn cgroup2 takes the first of the spawn paths here: {', '.join(spawn_paths_available())})\n")
     print("| method | call returns | start to exit | vs Popen (call) | vs Popen (exit) |")
     print("|---|---:|---:|---:|---:|")
     for name, (call, cycle) in spawn.items():
@@ -572,7 +458,7 @@ def print_table(abandon, escaped, spawn, churn_rates, per_turn, listing) -> None
         print(f"- abandon 500: cgroup2 {five['cgroup2']:.1f} ms = {five['cgroup2'] / five['floor']:.2f}x the "
               f"kernel floor (target <= 1.25x), {five['cgroup2'] / five['psutil dead']:.2f}x psutil until dead")
     call, cycle = spawn["Turn.spawn cgroup2"]
-    print(f"- spawn ({spawn_paths.available()[0]}): Turn.spawn cgroup2 = {call / base_call:.2f}x Popen at call "
+    print(f"- spawn ({spawn_paths_available()[0]}): Turn.spawn cgroup2 = {call / base_call:.2f}x Popen at call "
           f"return (target <= 1.15x), {cycle / base_cycle:.2f}x start to exit (target <= 1.1x)")
     per_turn_targets(per_turn)
     print(f"- listing {listing.get('turns')} turns in process: {listing['library']:.1f} ms (target < 100 ms; "

@@ -26,10 +26,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench import bench_root, destroy  # noqa: E402
+from benchlib import bench_root, destroy  # noqa: E402
 
 from cgturn import Supervisor, TurnManager  # noqa: E402
-from cgturn.backends import spawn_paths  # noqa: E402
+from cgturn.testing import forced_spawn_path, spawn_paths_available  # noqa: E402
 
 TRUE = "/bin/true"
 
@@ -78,16 +78,11 @@ async def measure(mgr: TurnManager, rounds: int, seed: int) -> dict[str, float]:
 def measure_paths(root: str, state: str, rounds: int) -> dict[str, dict[str, float]]:
     """{spawn path: {method: median ms}} for every spawn path this host has, in managed root `root`."""
     results = {}
-    saved = spawn_paths.can_clone3, spawn_paths.can_posix_spawn
-    try:
-        for path in spawn_paths.available():
-            for flag, value in spawn_paths.forced(path).items():
-                setattr(spawn_paths, flag, value)
-            with TurnManager(root=root, backend="cgroup2", state_dir=state, sentinel=False) as mgr:
-                results[path] = asyncio.run(measure(mgr, rounds, seed=15))
-                mgr.end_task("bench-aio", grace=0)
-    finally:
-        spawn_paths.can_clone3, spawn_paths.can_posix_spawn = saved
+    for path in spawn_paths_available():
+        with forced_spawn_path(path), TurnManager(root=root, backend="cgroup2", state_dir=state,
+                                                  sentinel=False) as mgr:
+            results[path] = asyncio.run(measure(mgr, rounds, seed=15))
+            mgr.end_task("bench-aio", grace=0)
     return results
 
 

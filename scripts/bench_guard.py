@@ -15,8 +15,8 @@ and on Ctrl-C/SIGTERM; every busy loop ends by itself after 60 s. Run as root:
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import select
 import signal
 import statistics
 import sys
@@ -28,36 +28,54 @@ import uuid
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from bench import destroy  # noqa: E402
+from benchlib import destroy  # noqa: E402
 
-from cgturn import PressureGuard, TurnManager, discover_host  # noqa: E402
-from cgturn.backends import guard_state  # noqa: E402
-from cgturn.kernel import psi  # noqa: E402
+from cgturn import PressureGuard, TurnManager, audit, discover_host  # noqa: E402
+from cgturn.testing import guard_pressing  # noqa: E402
 
 BUSY = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"
 HOGS = (os.cpu_count() or 2) + 1
 
 
+class Trigger:
+    """A PSI trigger armed with the standard library alone, the bench's floor (Linux 5.2+,
+    Documentation/accounting/psi.rst: write "some|full <stall us> <window us>" to an open pressure
+    file; the kernel then raises POLLPRI on that fd when the stall crosses the threshold)."""
+
+    def __init__(self, path: str, trigger: str):
+        self.fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+        os.write(self.fd, trigger.encode() + b"\0")
+        self.poller = select.poll()
+        self.poller.register(self.fd, select.POLLPRI)
+
+    def wait(self, timeout: float) -> bool:
+        """True when the kernel signalled a crossing within `timeout` seconds."""
+        return any(events & select.POLLPRI for _, events in self.poller.poll(timeout * 1000))
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def window_us(trigger: str) -> int:
+    """The window of a trigger string ("some 100000 2000000" -> 2000000)."""
+    return int(trigger.split()[2])
+
+
 def freeze_time(state_dir: str, turn: str) -> float | None:
     """Wall time of the guard's freeze record for `turn`, or None yet."""
-    try:
-        with open(os.path.join(state_dir, "audit.jsonl")) as f:
-            for line in f:
-                rec = json.loads(line)
-                if rec.get("action") == "freeze" and rec.get("turn") == turn and rec.get("reason") == "guard":
-                    return rec["time"]
-    except FileNotFoundError:
-        pass
+    for rec in audit.read_records(state_dir):
+        if rec.get("action") == "freeze" and rec.get("turn") == turn and rec.get("reason") == "guard":
+            return rec["time"]
     return None
 
 
 def one_round(mgr, gw: str, trigger: str, state_dir: str, n: int, window_s: float) -> tuple[float, float]:
     """(crossing -> frozen, hog start -> frozen) in ms for one hog turn."""
     crossed: list[float] = []
-    observer = psi.ArmedTrigger(psi.pressure_file("cpu", gw), psi.parse_trigger(trigger))
+    observer = Trigger(os.path.join(gw, "cpu.pressure"), trigger)
 
     def watch():
-        if observer.wait(30) & 0x2:  # POLLPRI
+        if observer.wait(30):
             crossed.append(time.time())
 
     t = threading.Thread(target=watch)
@@ -76,7 +94,7 @@ def one_round(mgr, gw: str, trigger: str, state_dir: str, n: int, window_s: floa
         raise RuntimeError(f"round {n}: no freeze within 30 s (crossed: {bool(crossed)})")
     # Let the pressure fall and the guard report quiet before the next round.
     deadline = time.monotonic() + 30
-    while guard_state.pressing(mgr.backend) and time.monotonic() < deadline:
+    while guard_pressing(mgr) and time.monotonic() < deadline:
         time.sleep(0.05)
     # The kernel signals a trigger at most once per window: a round started within a window of the
     # guard's last event would measure that rate limit, not the guard.
@@ -105,7 +123,7 @@ def main() -> int:
         gateway = subprocess.Popen([sys.executable, "-c", BUSY])
         with open(os.path.join(gw, "cgroup.procs"), "w") as f:
             f.write(str(gateway.pid))
-        window_s = psi.parse_trigger(args.trigger).window_us / 1e6
+        window_s = window_us(args.trigger) / 1e6
         guard = PressureGuard(resource="cpu", trigger=args.trigger, watch=gw, thaw_after=0.5, abandon_after=600)
         with TurnManager(root=root, backend="cgroup2", state_dir=state_dir, guard=guard) as mgr:
             rows = [one_round(mgr, gw, args.trigger, state_dir, n, window_s) for n in range(args.rounds)]
@@ -115,7 +133,7 @@ def main() -> int:
             gateway.wait()
         destroy(root)
         destroy(gw)
-    window = psi.parse_trigger(args.trigger).window_us / 1000
+    window = window_us(args.trigger) / 1000
     reaction = statistics.median(r[0] for r in rows)
     total = statistics.median(r[1] for r in rows)
     print(f"\n## Pressure guard reaction (median of {args.rounds}; trigger '{args.trigger}'; "
@@ -125,7 +143,7 @@ def main() -> int:
     print(f"| trigger window | {window:.0f} | 1.00x |")
     print(f"| crossing -> turn frozen | {reaction:.1f} | {reaction / window:.3f}x |")
     print(f"| hog start -> turn frozen | {total:.0f} | {total / window:.2f}x |")
-    print(f"\nrounds (crossing->frozen, start->frozen ms): "
+    print("\nrounds (crossing->frozen, start->frozen ms): "
           + ", ".join(f"({a:.1f}, {b:.0f})" for a, b in rows))
     return 0
 

@@ -22,7 +22,7 @@ import uuid
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from bench import destroy  # noqa: E402
+from benchlib import destroy  # noqa: E402
 
 from cgturn import TurnManager, discover_host  # noqa: E402
 

@@ -25,10 +25,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from bench import bench_root, cgturn_abandon, destroy, floor_abandon  # noqa: E402
+from benchlib import bench_root, cgturn_abandon, destroy, floor_abandon  # noqa: E402
 
 from cgturn import Limits, TurnManager  # noqa: E402
-from cgturn.kernel.cgroupfs import Cgroup  # noqa: E402
+from cgturn.testing import v1_dirs  # noqa: E402
 
 LIMITS = Limits(memory_max=256 * 2 ** 20, pids_max=100, cpus=1.0)
 
@@ -49,7 +49,7 @@ def churn(mgr: TurnManager, seconds: float, limits: Limits | None) -> float:
 def limited_abandon(mgr: TurnManager, n: int) -> float:
     """abandon(grace=0) of a limited turn holding n processes: kill, wait, usage read, v1 removal."""
     def check(turn, result):
-        dirs = mgr.backend.layout.v1_dirs(*turn.key)
+        dirs = v1_dirs(mgr, turn)
         if result.usage is None or any(os.path.exists(d) for d in dirs.values()):
             raise RuntimeError(f"usage {result.usage}; v1 directories left behind: {dirs}")
 
@@ -60,10 +60,10 @@ def remove_v1(mgr: TurnManager) -> None:
     """The managed root's v1 directories (on a hybrid host), after `destroy` removed its cgroup2 tree,
     and the mirror of its parent `cgturn-bench-*` that the library made on the way (it removes only
     the root's own)."""
-    for path in mgr.backend.layout.v1_dirs().values():
+    for path in v1_dirs(mgr).values():
         for directory in (path, os.path.dirname(path)):
             if os.path.basename(directory).startswith("cgturn-bench-") or "/cgturn-bench-" in directory:
-                Cgroup(directory).remove_tree(timeout=2.0)
+                destroy(directory)  # v1 has no cgroup.kill: the write fails quietly, the rmdirs remain
 
 
 def main() -> int:

@@ -8,6 +8,7 @@ Everything lives in one managed root `<own cgroup>/cgturn-bench-spawn-<random>`,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import signal
@@ -21,42 +22,31 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from bench import churn, destroy, time_spawn  # noqa: E402
+from benchlib import churn, destroy, time_spawn  # noqa: E402
 
 from cgturn import TurnManager, discover_host  # noqa: E402
-from cgturn.backends import spawn_paths  # noqa: E402
-
-
-NATIVE = {spawn_paths.CLONE3: spawn_paths.can_clone3, spawn_paths.POSIX_SPAWN: spawn_paths.can_posix_spawn}
-
-
-def forced(path: str):
-    """Force the spawn path for the next calls (the capability flags the tests patch)."""
-    def set_path():
-        for flag, value in spawn_paths.forced(path).items():
-            setattr(spawn_paths, flag, value)
-    return set_path
+from cgturn.testing import CLONE3, POSIX_SPAWN, SHIM, forced_spawn_path, spawn_path_unavailable  # noqa: E402
 
 
 def paths_here() -> list[str]:
     """The native paths available here, then the shim."""
-    return [path for path, usable in NATIVE.items() if usable] + [spawn_paths.SHIM]
+    return [path for path in (CLONE3, POSIX_SPAWN) if spawn_path_unavailable(path) is None] + [SHIM]
 
 
 def spawn_rows(mgr: TurnManager, count: int) -> dict[str, tuple[float, float]]:
     """Median ms (call returns, start to exit) per method."""
     turn = mgr.begin_turn("bench-spawn")
-    methods = {"Popen": (lambda: None, lambda: subprocess.Popen(["/bin/true"]))}
+    methods = {"Popen": (None, lambda: subprocess.Popen(["/bin/true"]))}
     for path in paths_here():
-        methods[f"Turn.spawn {path}"] = (forced(path), lambda: turn.spawn(["/bin/true"]))
+        methods[f"Turn.spawn {path}"] = (path, lambda: turn.spawn(["/bin/true"]))
     calls = {k: [] for k in methods}
     cycles = {k: [] for k in methods}
     rng = random.Random(7)
     for _ in range(count):
         for name in rng.sample(list(methods), len(methods)):
-            prepare, start = methods[name]
-            prepare()
-            call, cycle = time_spawn(start)
+            path, start = methods[name]
+            with forced_spawn_path(path) if path else contextlib.nullcontext():
+                call, cycle = time_spawn(start)
             calls[name].append(call)
             cycles[name].append(cycle)
     turn.abandon("bench", grace=0)
@@ -64,8 +54,8 @@ def spawn_rows(mgr: TurnManager, count: int) -> dict[str, tuple[float, float]]:
 
 
 def churn_on(mgr: TurnManager, path: str, seconds: float) -> float:
-    forced(path)()
-    return churn(mgr, seconds)
+    with forced_spawn_path(path):
+        return churn(mgr, seconds)
 
 
 def main() -> int:
@@ -78,7 +68,7 @@ def main() -> int:
         print("needs root and a cgroup2 mount", file=sys.stderr)
         return 1
     native = paths_here()[0]
-    if native == spawn_paths.SHIM:
+    if native == SHIM:
         print("no native spawn path here (cgturn._spawn not built, glibc < 2.39)", file=sys.stderr)
         return 1
     root = os.path.join(host.own_cgroup or host.cgroup2_mount, f"cgturn-bench-spawn-{uuid.uuid4().hex[:8]}")
@@ -88,7 +78,7 @@ def main() -> int:
             with TurnManager(root=root, backend="cgroup2", state_dir=state) as mgr:
                 rows = spawn_rows(mgr, args.spawns)
                 rates = {}
-                for path in (native, spawn_paths.SHIM, native, spawn_paths.SHIM):
+                for path in (native, SHIM, native, SHIM):
                     rates.setdefault(path, []).append(churn_on(mgr, path, args.seconds / 2))
         except KeyboardInterrupt:
             print("interrupted: cleaning up", file=sys.stderr)

@@ -247,17 +247,16 @@ def force_spawn_path(monkeypatch, path: str) -> None:
     """Make `path` the way Turn.spawn takes on cgroup2 (spawn_paths' capability flags, trio-style).
     A native path this host lacks is skipped with its reason; the clone3 extension fails in CI,
     which builds it. Any other name (the registry backend) leaves both native paths off."""
+    from cgturn import testing
     from cgturn.backends import spawn_paths
-    from cgturn.kernel import posix_spawn
-    from cgturn.kernel import spawn as kspawn
 
-    if path == spawn_paths.CLONE3 and not kspawn.clone3_built():
-        if os.environ.get("CI") == "true":
-            pytest.fail("cgturn._spawn is not built in CI (pip install -e . builds it with gcc)")
-        pytest.skip("cgturn._spawn is not built here")
-    if path == spawn_paths.POSIX_SPAWN and not posix_spawn.available():
-        pytest.skip("the C library has no posix_spawnattr_setcgroup_np (glibc < 2.39): "
-                    "tests/testhost/test_testhost_spawn.py runs this path on the test host")
+    why = testing.spawn_path_unavailable(path) if path in testing.SPAWN_PATHS else None
+    if why is not None and path == testing.CLONE3 and os.environ.get("CI") == "true":
+        pytest.fail("cgturn._spawn is not built in CI (pip install -e . builds it with gcc)")
+    if why is not None:
+        pytest.skip(why + ("; tests/testhost/test_testhost_spawn.py runs this path on the test host"
+                           if path == testing.POSIX_SPAWN else ""))
+    # monkeypatch (not testing.forced_spawn_path) so the flags come back at the test's own teardown
     for flag, value in spawn_paths.forced(path).items():
         monkeypatch.setattr(spawn_paths, flag, value)
 

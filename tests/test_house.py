@@ -23,7 +23,7 @@ import uuid
 import pytest
 
 from cgturn import errors
-from cgturn.kernel import parsers, procfs
+from cgturn.kernel import procfs
 from conftest import CGROUP2_MOUNT, PY, alive, destroy_cgroup_tree, need_cgroup2, wait_until
 
 NOBODY = 65534
@@ -340,30 +340,68 @@ def test_adopt_refuses_the_callers_parent(cgroup2_root, state_dir, backend):
         wrapper.wait()
 
 
-def test_kernel_thread_predicate_on_parsed_stat_lines():
-    kthreadd = "2 (kthreadd) S 0 0 0 0 -1 2129984 0 0 0 0 0 5 0 0 20 0 1 0 6 0 0 18446744073709551615"
-    worker = "57 (kworker/0:1-events) I 2 0 0 0 -1 69238880 0 0 0 0 0 12 0 0 20 0 1 0 40 0 0 0"
-    user = "900 (sleep) S 1 900 900 0 -1 4194560 100 0 0 0 0 0 0 0 20 0 1 0 4000 8 0 1"
-
-    def stat(line):
-        pid = int(line.split()[0])
-        return procfs.ProcStat(pid, *parsers.parse_proc_stat(line))
-
-    assert [procfs.is_kernel_thread(stat(line)) for line in (kthreadd, worker, user)] == [True, True, False]
+KTHREADD = "2 (kthreadd) S 0 0 0 0 -1 2129984 0 0 0 0 0 5 0 0 20 0 1 0 6 0 0 18446744073709551615"
+KWORKER = "57 (kworker/0:1-events) I 2 0 0 0 -1 69238880 0 0 0 0 0 12 0 0 20 0 1 0 40 0 0 0"
+USER = "900 (sleep) S 1 900 900 0 -1 4194560 100 0 0 0 0 0 0 0 20 0 1 0 4000 8 0 1"
+INIT = "1 (init) S 0 1 1 0 -1 4194560 100 0 0 0 0 0 0 0 20 0 1 0 3 8 0 1"
 
 
-def test_adopt_refuses_what_reads_as_a_kernel_thread(manager, bystanders, monkeypatch):
-    """adopt's kernel-thread branch, driven by a stat line of our own child made to look like one
-    (a real kernel thread is never adopted by a test)."""
+def fake_procfs(root, lines: dict[int, str]) -> procfs.ProcFS:
+    """A directory laid out like /proc holding `<pid>/stat` for each line: a root to inject."""
+    for pid, line in lines.items():
+        (root / str(pid)).mkdir()
+        (root / str(pid) / "stat").write_text(line + "\n")
+    return procfs.ProcFS(str(root))
+
+
+def test_kernel_thread_predicate_on_stat_files_of_an_injected_procfs(tmp_path):
+    proc = fake_procfs(tmp_path, {1: INIT, 2: KTHREADD, 57: KWORKER, 900: USER, 901: "901 (trunc"})
+    stats = [procfs.stat(pid, proc) for pid in (2, 57, 900)]
+    assert [procfs.is_kernel_thread(st) for st in stats] == [True, True, False]
+    assert procfs.stat(901, proc) is None and procfs.stat(902, proc) is None  # torn down; gone
+    assert procfs.ancestors(900, proc) == {1} and sorted(procfs.all_pids(proc)) == [1, 2, 57, 900, 901]
+    assert procfs.is_alive(900, 4000, proc) and not procfs.is_alive(900, 4001, proc)
+    assert procfs.alive_or_unknown(900, 4000, proc) and not procfs.alive_or_unknown(902, 1, proc)
+
+
+# Run in a mount namespace of its own (unshare --mount): the stat file of the test's child is replaced
+# there by one that names kthreadd (pid 2) as its parent, so adopt's real /proc read sees a kernel
+# thread. Nothing is patched; the child itself is never touched.
+ADOPT_KTHREAD = textwrap.dedent("""
+    import subprocess, sys
+    from cgturn import TurnManager
+    root, backend, state_dir, pid, fake = sys.argv[1] or None, sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+    subprocess.run(["mount", "--bind", fake, f"/proc/{pid}/stat"], check=True)
+    mgr = TurnManager(root=root, backend=backend, state_dir=state_dir, sentinel=False)
+    turn = mgr.begin_turn("task", "turn")
+    try:
+        turn.adopt(pid)
+        print("adopted")
+    except Exception as err:
+        print(type(err).__name__, err)
+    print(turn.pids())
+    turn.abandon("test", grace=0)
+""")
+
+
+def test_adopt_refuses_what_reads_as_a_kernel_thread(manager, bystanders, tmp_path):
+    """adopt's kernel-thread branch, driven by our own child's stat file made to name kthreadd as its
+    parent in a private mount namespace (a real kernel thread is never adopted by a test)."""
     child = bystanders()
-    real = procfs.stat
-    monkeypatch.setattr(procfs, "stat", lambda pid: procfs.ProcStat(pid, "S", 2, 6) if pid == child.pid
-                        else real(pid))
-    turn = manager.begin_turn("task", "turn")
-    with pytest.raises(errors.UnsafeOperation, match="kernel thread"):
-        turn.adopt(child.pid)
-    monkeypatch.undo()
-    assert turn.pids() == []
+    real = open(f"/proc/{child.pid}/stat").read()
+    head, _, rest = real.rpartition(") ")
+    fields = rest.split()
+    fields[1] = "2"  # ppid: kthreadd
+    fake = tmp_path / "stat"
+    fake.write_text(f"{head}) {' '.join(fields)}\n")
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", PY, "-c", ADOPT_KTHREAD,
+                          manager.root or "", manager.backend_name, manager.state_dir, str(child.pid), str(fake)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    verdict, pids = out.stdout.splitlines()
+    assert verdict.startswith("UnsafeOperation") and "kernel thread" in verdict
+    assert pids == "[]"
+    assert child.poll() is None and procfs.stat(child.pid).ppid == os.getpid()  # untouched, outside
 
 
 def test_adopt_refuses_a_process_of_another_tasks_turn(manager):

@@ -1,7 +1,7 @@
 """Turn lifecycle on both backends (the `manager` fixture is parametrised): real processes throughout."""
+import os
 import signal
 import subprocess
-import textwrap
 
 import pytest
 
@@ -81,21 +81,20 @@ def test_first_transition_wins(manager):
     assert other.abandon("late").skipped
 
 
-def test_sigterm_first_then_sigkill_after_grace(manager, tmp_path):
+def test_sigterm_first_then_sigkill_after_grace(manager):
+    """Told apart by how each process died, not by when a handler ran: a fatal signal decides the
+    exit status when it is sent (kernel/signal.c complete_signal), so `obeying` (SIGTERM at its default
+    action) dies of SIGTERM only if SIGTERM came first, and `stubborn` (SIGTERM ignored: discarded at
+    sending) dies of SIGKILL only if the escalation came."""
     turn = manager.begin_turn("grace")
-    marker = tmp_path / "term"
-    stubborn = turn.spawn([PY, "-c", textwrap.dedent(f"""
-        import signal, time
-        def on_term(*_):
-            open({str(marker)!r}, "w").close()
-        signal.signal(signal.SIGTERM, on_term)
-        print("ready", flush=True)
-        time.sleep(300)
-    """)], stdout=subprocess.PIPE, text=True)
+    stubborn = turn.spawn([PY, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                     "print('ready', flush=True); time.sleep(300)"],
+                          stdout=subprocess.PIPE, text=True)
+    obeying = turn.spawn(SLEEP)
     assert stubborn.stdout.readline().strip() == "ready"
     result = turn.abandon("timeout", grace=0.3)
     assert result.signals == ["SIGTERM", "SIGKILL"]
-    assert marker.exists()
+    assert obeying.wait(timeout=10) == -signal.SIGTERM
     assert stubborn.wait(timeout=10) == -signal.SIGKILL
     # a process that obeys SIGTERM within the grace never gets the SIGKILL
     polite = manager.begin_turn("grace", "polite")
@@ -104,16 +103,15 @@ def test_sigterm_first_then_sigkill_after_grace(manager, tmp_path):
     assert result.signals == ["SIGTERM"] and q.wait(timeout=10) == -signal.SIGTERM
 
 
-def test_grace_zero_sends_no_sigterm(manager, tmp_path):
+def test_grace_zero_sends_no_sigterm(manager):
+    """A process at SIGTERM's default action dies of the first fatal signal it is sent: of SIGKILL
+    only if no SIGTERM came before it (the exit status is decided at sending, not by scheduling)."""
     turn = manager.begin_turn("nograce")
-    marker = tmp_path / "term"
-    p = turn.spawn(["sh", "-c", f"trap 'touch {marker}' TERM; echo ready; while :; do sleep 1; done"],
-                   stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "ready"
+    p = turn.spawn(SLEEP)
+    assert wait_until(lambda: turn.pids() == [p.pid])
     result = turn.abandon("now", grace=0)
     assert result.signals == ["SIGKILL"]
     assert p.wait(timeout=10) == -signal.SIGKILL
-    assert not marker.exists()
 
 
 def test_turn_ids_are_unique_while_the_turn_exists(manager):
@@ -255,10 +253,13 @@ def test_a_command_wrapped_in_setpriv_runs_unprivileged_inside_the_turn(manager)
 def test_wait_empty_answers_when_the_last_process_is_gone(manager):
     """Exact even when a grandchild outlives the command (the 'is it finished?' trap of pipes)."""
     turn = manager.begin_turn("wait-empty")
-    p = turn.spawn(["sh", "-c", "sleep 0.3 & exit 0"])
-    assert p.wait(timeout=10) == 0          # the command is done ...
-    assert turn.pids()                      # ... but its grandchild is not
-    assert turn.wait_empty(10) is True
+    p = turn.spawn(["sh", "-c", "sleep 300 & echo $!; exit 0"], stdout=subprocess.PIPE, text=True)
+    grandchild = int(p.stdout.readline())
+    assert p.wait(timeout=10) == 0                 # the command is done ...
+    assert turn.pids() == [grandchild]             # ... but its grandchild is not, until we end it
+    assert turn.wait_empty(0.05) is False          # it cannot be empty while that sleep lives
+    os.kill(grandchild, signal.SIGKILL)            # alive (sleep 300): the pid is still its own
+    assert turn.wait_empty(30) is True
     assert turn.pids() == []
     assert turn.environment["CGTURN_TURN"] == turn.record.turn_key
     turn.complete()

@@ -114,6 +114,10 @@ def test_audit_tail_reads_incrementally_and_survives_rotation(tmp_path):
     '{"reason": "stop", "pids": [], "duration_ms": -5}',
     '{"reason": "stop", "pids": [], "duration_ms": "5"}',
     '{"reason": "stop", "action": 3}',
+    '{"v": "1", "reason": "stop", "pids": [], "duration_ms": 1}',   # a version that is no whole number
+    '{"v": -1, "reason": "stop", "pids": [], "duration_ms": 1}',
+    '{"v": true, "reason": "stop", "pids": [], "duration_ms": 1}',
+    '{"v": 1, "action": "limit", "reason": "oom", "count": -1}',
     "[" * 200_000,                                            # RecursionError in the parser
     '"just a string"',
     "\udcff",
@@ -143,6 +147,48 @@ def test_an_over_long_audit_line_is_skipped_without_being_held(tmp_path, monkeyp
     _append(log, {"reason": "stop", "pids": [], "duration_ms": 1})
     tail.update()
     assert tail.malformed == 2 and tail.kills == {"stop": 2}
+
+
+# Lines exactly as cgturn wrote them before records carried a format version (no `v` field).
+UNVERSIONED_KILL = ('{"time": 1764590000.25, "task": "chat", "turn": "t1", "reason": "deadline", "pids": [412, 415], '
+                    '"signals": ["SIGTERM", "SIGKILL"], "duration_ms": 21.5, "backend": "cgroup2", "by_pid": 400, '
+                    '"usage": {"oom_kills": 0}}')
+UNVERSIONED_LIMIT = ('{"time": 1764590001.0, "action": "limit", "task": "chat", "turn": "t1", "reason": "oom", '
+                     '"count": 2, "limit": 268435456, "backend": "cgroup2", "by_pid": 400}')
+UNVERSIONED_FREEZE = ('{"time": 1764590002.0, "action": "freeze", "task": "chat", "turn": "t1", "reason": "guard", '
+                      '"pids": [412], "backend": "cgroup2", "by_pid": 400}')
+
+
+def test_an_unversioned_line_reads_as_todays_format(tmp_path):
+    from cgturn import audit
+
+    kill = audit.parse_line(UNVERSIONED_KILL)
+    assert kill is not None and audit.action_of(kill) == "kill" and audit.pids_of(kill) == [412, 415]
+    assert audit.duration_of(kill) == pytest.approx(0.0215)
+    assert audit.count_of(audit.parse_line(UNVERSIONED_LIMIT)) == 2
+    (tmp_path / "audit.jsonl").write_text("\n".join((UNVERSIONED_KILL, UNVERSIONED_LIMIT, UNVERSIONED_FREEZE)) + "\n")
+    tail = AuditTail(str(tmp_path), buckets=(0.01, 1.0))
+    tail.update()
+    assert (tail.kills, tail.killed_processes, tail.malformed) == ({"deadline": 1}, {"deadline": 2}, 0)
+    assert tail.limit_events["oom"] == 2 and tail.guard_actions["freeze"] == 1
+    assert tail.histogram_buckets() == [("0.01", 0), ("1.0", 1), ("+Inf", 1)]
+    assert [r["reason"] for r in audit.read_records(str(tmp_path))] == ["deadline", "oom", "guard"]
+
+
+def test_records_are_written_with_their_format_version_and_read_back(tmp_path):
+    from cgturn import audit
+
+    state_dir = str(tmp_path)
+    audit.record_kill(state_dir, task="t", turn="u", reason="stop", pids=[3, 1], signals=["SIGKILL"],
+                      duration_ms=2.0, backend="registry")
+    audit.record_limit(state_dir, task="t", turn="u", reason="pids-max", count=1, limit=10, backend="registry")
+    audit.record_action(state_dir, action="thaw", task="t", turn="u", reason="user", pids=[1], backend="registry")
+    lines = (tmp_path / "audit.jsonl").read_text().splitlines()
+    assert [json.loads(line)["v"] for line in lines] == [audit.FORMAT] * 3
+    assert [audit.action_of(audit.parse_line(line)) for line in lines] == ["kill", "limit", "thaw"]
+    tail = AuditTail(state_dir, buckets=(1.0,))
+    tail.update()
+    assert (tail.kills, tail.limit_events["pids-max"], tail.malformed) == ({"stop": 1}, 1, 0)
 
 
 def test_records_of_other_actions_are_not_kills_nor_malformed(tmp_path):

@@ -10,8 +10,9 @@ it was opened for.
 the sentinel) never acts on a process it merely could not read (`hidepid=1` gives EPERM). A zombie
 has exited: it reads as not alive, while its pid is still taken.
 
-`ProcFS` owns its root (default /proc), so a test can hand it another one; the module-level functions
-use the default instance.
+`ProcFS` owns its root (default /proc). The module-level questions read the host's /proc (`HOST`)
+unless a caller hands them another `ProcFS` as `proc=`: a test injects a directory of its own
+instead of patching anything (psutil's lesson: patch no global, inject a root).
 """
 from __future__ import annotations
 
@@ -52,7 +53,13 @@ def _translate(pid: int | str, what: str, err: OSError) -> Exception:
 
 
 class ProcFS:
-    """One procfs mount. Reads raise NoSuchProcess, AccessDenied or KernelError (with the path)."""
+    """One procfs mount, or a directory laid out like one (`<root>/<pid>/stat`, ...).
+
+    Reads raise NoSuchProcess, AccessDenied or KernelError (with the path).
+
+    Args:
+        root: the mount point or directory; /proc by default.
+    """
 
     __slots__ = ("root",)
 
@@ -124,27 +131,28 @@ class ProcFS:
         return [int(name) for name in os.listdir(self.root) if name.isdigit()]
 
 
-DEFAULT = ProcFS()
+HOST = ProcFS()
+DEFAULT = HOST  # the name the kernel layer's other readers use; never reassigned
 
 
-# --- the questions callers ask, on the default procfs ---------------------------------------------
+# --- the questions callers ask, of the host's procfs unless handed another (`proc=`) ---------------
 
-def stat(pid: int) -> ProcStat | None:
+def stat(pid: int, proc: ProcFS = HOST) -> ProcStat | None:
     """/proc/PID/stat parsed; None when the process is gone. Raises AccessDenied when unreadable."""
     try:
-        return DEFAULT.stat(pid)
+        return proc.stat(pid)
     except NoSuchProcess:
         return None
     except (ValueError, IndexError):
         return None  # a truncated read of a task being torn down
 
 
-def start_time(pid: int) -> int | None:
+def start_time(pid: int, proc: ProcFS = HOST) -> int | None:
     """Start time of `pid` in clock ticks since boot, or None when it does not exist.
 
     Raises AccessDenied when it cannot be read.
     """
-    st = stat(pid)
+    st = stat(pid, proc)
     return st.start_time if st else None
 
 
@@ -164,18 +172,18 @@ def own_start_time() -> int | None:
     return started
 
 
-def is_alive(pid: int, started: int) -> bool:
+def is_alive(pid: int, started: int, proc: ProcFS = HOST) -> bool:
     """True if `pid` runs and is the process that started at `started` (a zombie has exited).
 
     Raises AccessDenied when that cannot be told: never read "cannot look" as "dead".
     """
     if pid <= 0:
         return False
-    st = stat(pid)
+    st = stat(pid, proc)
     return st is not None and st.start_time == started and not st.exited
 
 
-def alive_or_unknown(pid: int | None, started: int | None) -> bool:
+def alive_or_unknown(pid: int | None, started: int | None, proc: ProcFS = HOST) -> bool:
     """True unless `pid` is known to be gone: it runs as the process that started at `started`, or it
     cannot be looked at (another user's process under hidepid). The one place that reads "cannot look"
     as "not known to be dead", for every caller that must never act on a guess (keys, leases of notes,
@@ -184,71 +192,72 @@ def alive_or_unknown(pid: int | None, started: int | None) -> bool:
     if pid is None or started is None:
         return False
     try:
-        return is_alive(pid, started)
+        return is_alive(pid, started, proc)
     except AccessDenied:
         return True
 
 
-def environ(pid: int) -> dict[str, str] | None:
+def environ(pid: int, proc: ProcFS = HOST) -> dict[str, str] | None:
     """The initial environment of `pid`; None when gone or not readable (another user's process:
     such a process is never taken for a turn member by its environment)."""
     try:
-        return DEFAULT.environ(pid)
+        return proc.environ(pid)
     except (NoSuchProcess, AccessDenied):
         return None
 
 
-def cmdline(pid: int) -> str:
+def cmdline(pid: int, proc: ProcFS = HOST) -> str:
     """The command line of `pid` joined with spaces; '' when gone, unreadable or a kernel thread."""
     try:
-        return DEFAULT.cmdline(pid)
+        return proc.cmdline(pid)
     except (NoSuchProcess, AccessDenied):
         return ""
 
 
-def cgroup_of(pid: int | str) -> str | None:
+def cgroup_of(pid: int | str, proc: ProcFS = HOST) -> str | None:
     """The cgroup v2 path of a process as /proc/PID/cgroup shows it; None when gone or unreadable."""
     try:
-        return DEFAULT.cgroup(pid)
+        return proc.cgroup(pid)
     except (NoSuchProcess, AccessDenied):
         return None
 
 
-def tgid_of(tid: int) -> int | None:
+def tgid_of(tid: int, proc: ProcFS = HOST) -> int | None:
     """The process a thread id belongs to; None when it is gone or unreadable."""
     try:
-        return DEFAULT.tgid(tid)
+        return proc.tgid(tid)
     except (NoSuchProcess, AccessDenied, ValueError):
         return None
 
 
-def rss_bytes(pid: int) -> int | None:
+def rss_bytes(pid: int, proc: ProcFS = HOST) -> int | None:
     """Resident bytes of `pid`; None when gone or unreadable."""
     try:
-        return DEFAULT.rss_pages(pid) * PAGE_SIZE
+        return proc.rss_pages(pid) * PAGE_SIZE
     except (NoSuchProcess, AccessDenied, ValueError, IndexError):
         return None
 
 
-def children_of(pid: int) -> list[int]:
+def children_of(pid: int, proc: ProcFS = HOST) -> list[int]:
     """Children of `pid`; a /proc scan by ppid where /proc/PID/task/*/children is missing."""
     try:
-        return DEFAULT.children(pid)
+        return proc.children(pid)
     except NoSuchProcess:
         return []
     except (AccessDenied, KernelError):
-        return [p for p in all_pids() if (st := _stat_or_none(p)) is not None and st.ppid == pid]
+        return [p for p in all_pids(proc) if (st := _stat_or_none(p, proc)) is not None and st.ppid == pid]
 
 
-def _stat_or_none(pid: int) -> ProcStat | None:
+def _stat_or_none(pid: int, proc: ProcFS = HOST) -> ProcStat | None:
     try:
-        return stat(pid)
+        return stat(pid, proc)
     except AccessDenied:
         return None
 
 
-def all_pids() -> list[int]:
-    return DEFAULT.pids()
+def all_pids(proc: ProcFS = HOST) -> list[int]:
+    """Every pid visible in `proc`."""
+    return proc.pids()
 
 
 def is_kernel_thread(st: ProcStat) -> bool:
@@ -256,13 +265,13 @@ def is_kernel_thread(st: ProcStat) -> bool:
     return st.pid == 2 or st.ppid == 2
 
 
-def ancestors(pid: int) -> set[int]:
+def ancestors(pid: int, proc: ProcFS = HOST) -> set[int]:
     """`pid`'s ancestors up to PID 1 (inclusive), following ppid links."""
     out: set[int] = set()
-    st = _stat_or_none(pid)
+    st = _stat_or_none(pid, proc)
     while st is not None and st.ppid > 0 and st.ppid not in out:
         out.add(st.ppid)
-        st = _stat_or_none(st.ppid)
+        st = _stat_or_none(st.ppid, proc)
     return out
 
 

@@ -1,0 +1,144 @@
+"""What the benches share: the trees they kill, the kernel floors timed with the standard library
+alone (no cgturn code: a bare mkdir, cgroup.procs, cgroup.kill, `populated 0`, rmdir), the cgturn
+rows measured against them, and the bench's managed root and its removal.
+
+Imported by scripts/bench.py and the bench_*.py scripts (scripts/ is on their sys.path).
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+from cgturn import TurnManager, discover_host
+
+SHIM = 'echo $$ > "$0" || exit 125; exec "$@"'
+
+
+
+def tree_argv(n: int) -> list[str]:
+    """A tree of exactly n processes: `sh` and n-1 sleeping children (n=1: one sleep)."""
+    if n == 1:
+        return ["sleep", "300"]
+    return ["sh", "-c", f"i=1; while [ $i -lt {n} ]; do sleep 300 & i=$((i+1)); done; wait"]
+
+
+def wait_count(count, n: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while count() < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tree of {n} did not come up")
+        time.sleep(0.005)
+
+
+def ms(seconds: float) -> float:
+    return seconds * 1000
+
+
+# --- the raw kernel floor: no cgturn code at all ----------------------------------------------------
+
+def read_events(fd: int) -> dict[str, int]:
+    text = os.pread(fd, 4096, 0).decode()
+    return {k: int(v) for k, v in (line.split() for line in text.splitlines())}
+
+
+def floor_abandon(parent: str, n: int) -> float:
+    """mkdir + cgroup.procs (shim) + tree; timed: cgroup.kill + wait for populated 0 + rmdir."""
+    path = os.path.join(parent, f"floor-{uuid.uuid4().hex[:8]}")
+    os.mkdir(path)
+    proc = subprocess.Popen(["/bin/sh", "-c", SHIM, os.path.join(path, "cgroup.procs"), *tree_argv(n)])
+    wait_count(lambda: len(open(os.path.join(path, "cgroup.procs")).read().split()), n)
+    events = os.open(os.path.join(path, "cgroup.events"), os.O_RDONLY)
+    poller = select.poll()
+    poller.register(events, select.POLLPRI)
+    t0 = time.perf_counter()
+    with open(os.path.join(path, "cgroup.kill"), "w") as f:
+        f.write("1")
+    while read_events(events).get("populated", 1):
+        poller.poll(1)  # the kernel rate-limits the notification: re-read at least every ms
+    while True:
+        try:
+            os.rmdir(path)
+            break
+        except OSError as err:
+            if err.errno != errno.EBUSY:
+                raise
+    elapsed = time.perf_counter() - t0
+    os.close(events)
+    proc.wait()
+    return elapsed
+
+
+# --- cgturn against the floors ---------------------------------------------------------------------
+
+def cgturn_abandon(mgr: TurnManager, n: int, limits=None, check=None) -> float:
+    """abandon(grace=0) of a turn (with `limits`) holding n processes; `check(turn, result)` after."""
+    turn = mgr.begin_turn("bench-abandon", limits=limits)
+    proc = turn.spawn(tree_argv(n))
+    wait_count(lambda: len(turn.pids()), n)
+    t0 = time.perf_counter()
+    result = turn.abandon("bench", grace=0)
+    elapsed = time.perf_counter() - t0
+    proc.wait()
+    if len(result.killed) != n:
+        raise RuntimeError(f"{mgr.backend_name}: killed {len(result.killed)} of {n}")
+    if check is not None:
+        check(turn, result)
+    return elapsed
+
+
+def time_spawn(start) -> tuple[float, float]:
+    """(seconds until `start()` returned, seconds until the process it started has exited)."""
+    t0 = time.perf_counter()
+    p = start()
+    t1 = time.perf_counter()
+    p.wait()
+    return t1 - t0, time.perf_counter() - t0
+
+
+def churn(mgr: TurnManager, seconds: float) -> float:
+    """Turns per second: begin + spawn(/bin/true) + wait + complete, back to back."""
+    done = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        turn = mgr.begin_turn("bench-churn")
+        turn.spawn(["/bin/true"]).wait()
+        turn.complete()
+        done += 1
+    return done / (time.perf_counter() - t0)
+
+
+# --- the bench root ---------------------------------------------------------------------------------
+
+def bench_root() -> str | None:
+    """A fresh managed-root path `<own cgroup2>/cgturn-bench-<random>` (not created), with SIGTERM made
+    a KeyboardInterrupt so the caller's cleanup runs; None (reported) without root or cgroup2."""
+    host = discover_host()
+    if host.cgroup2_mount is None or os.geteuid() != 0:
+        print("needs root and a cgroup2 mount", file=sys.stderr)
+        return None
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    return os.path.join(host.own_cgroup or host.cgroup2_mount, f"cgturn-bench-{uuid.uuid4().hex[:8]}")
+
+
+def destroy(root: str) -> None:
+    """Kill whatever is left under the bench root (never holds this process) and remove it."""
+    if not os.path.isdir(root):
+        return
+    with contextlib.suppress(OSError), open(os.path.join(root, "cgroup.kill"), "w") as f:
+        f.write("1")
+    for dirpath, _, _ in sorted(os.walk(root), key=lambda entry: -len(entry[0])):
+        for _ in range(200):
+            try:
+                os.rmdir(dirpath)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.01)
