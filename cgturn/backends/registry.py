@@ -18,12 +18,12 @@ fork racing the stop either fails with a pending signal or hands the stop to the
 copy_process in kernel/fork.c).
 
 The backend makes its process a child subreaper (prctl(2) PR_SET_CHILD_SUBREAPER, 3.4+), so orphans
-of turn processes reparent to it instead of to PID 1, and a daemon thread reaps the orphans it
+of turn processes reparent to it instead of to PID 1, and a daemon thread collects the orphans it
 attributed to this registry by their environment while they were alive. It never calls
 waitpid(-1) and never waits for a process this backend spawned (a Popen owns that exit status).
 
 Why one module of ~470 lines: membership (the /proc snapshot), freezing and killing are one
-algorithm over the same snapshot; the database and the orphan reaper are modules of their own.
+algorithm over the same snapshot; the database and the orphan collector are modules of their own.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from ..kernel import procfs
 from ..model import COMPLETED, RUNNING, TurnRecord
 from . import isolation
 from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag, turn_tag, with_environment
-from .reaper import SPAWN_LOCK, OrphanReaper, acquire_subreaper, note_spawned, release_subreaper
+from .orphans import SPAWN_LOCK, OrphanCollector, acquire_subreaper, note_spawned, release_subreaper
 from .registry_db import RegistryDatabase
 
 log = logging.getLogger("cgturn")
@@ -117,17 +117,17 @@ class RegistryBackend(Backend):
         # Nothing is created here: the database (and the state directory) come with the first write.
         self.db_path = os.path.abspath(os.path.join(state_dir, DB_NAME))
         self.db = RegistryDatabase(self.db_path)
-        self._reaper: OrphanReaper | None = None
+        self._orphans: OrphanCollector | None = None
         # Becoming a subreaper changes where the whole process's orphans go, so only a process that
         # owns turns does it (on its first turn), never a read-only user such as `cgturn ps`.
         self._wants_subreaper = subreaper
         self._saved_env: dict[str, str | None] | None = None  # the caller's CGTURN_* before enter()
 
-    def _ensure_reaper(self) -> None:
-        if self._wants_subreaper and self._reaper is None:
+    def _ensure_collector(self) -> None:
+        if self._wants_subreaper and self._orphans is None:
             acquire_subreaper()
-            self._reaper = OrphanReaper(self.scope)
-            self._reaper.start()
+            self._orphans = OrphanCollector(self.scope)
+            self._orphans.start()
 
     @property
     def scope(self) -> str:
@@ -144,7 +144,7 @@ class RegistryBackend(Backend):
             raise self._no_limits()
         if record.sealed or record.network != "host":  # both need the turn's cgroup and namespaces
             raise IsolationUnavailable("the registry backend cannot seal a turn or give it a network of its own")
-        self._ensure_reaper()
+        self._ensure_collector()
         with self.db.write() as conn:
             old = self.db.load(conn, record.task_key, record.turn_key)
             if old is not None:
@@ -190,13 +190,13 @@ class RegistryBackend(Backend):
             raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} is not running; cannot spawn")
         with SPAWN_LOCK:
             proc = subprocess.Popen([*steps, program, *argv[1:]], **kwargs)
-            # Our unreaped child: its pid cannot be recycled yet, so this start time is its own.
+            # Our child, not yet waited for: its pid cannot be recycled yet, so this start time is its own.
             started = procfs.start_time(proc.pid)
             note_spawned(proc.pid, started)
         if started is not None:
             self._record_process(record, proc.pid, started, argv)
-        if self._reaper is not None:
-            self._reaper.nudge()  # orphans may come from now on: look often
+        if self._orphans is not None:
+            self._orphans.nudge()  # orphans may come from now on: look often
         # Checked again once recorded: an abandon marks the turn before it collects members, so
         # either it found this process by its record, or its mark is seen here. (Between fork and
         # exec the child shows the parent's environment, so the kill's scan alone can miss it.)
@@ -211,13 +211,13 @@ class RegistryBackend(Backend):
         return current is not None and current.state == RUNNING
 
     def adopt(self, record, pid) -> None:
-        self._ensure_reaper()
+        self._ensure_collector()
         st = procfs.stat(pid)
         if st is None:
             raise NoSuchProcess(pid, f"cannot adopt process {pid}: it does not exist")
         started = st.start_time
         if st is not None and st.ppid == os.getpid():
-            with SPAWN_LOCK:  # our own child: some Popen may be waiting for it, never reap it
+            with SPAWN_LOCK:  # our own child: some Popen may be waiting for it, never collect it
                 note_spawned(pid, started)
         self._record_process(record, pid, started, procfs.cmdline(pid).split(" "))
 
@@ -264,7 +264,7 @@ class RegistryBackend(Backend):
         return scope_tag(procfs.environ(pid))
 
     def enter(self, record) -> None:
-        self._ensure_reaper()
+        self._ensure_collector()
         me = os.getpid()
         if self._saved_env is None:
             self._saved_env = {name: os.environ.get(name) for name in (ENV_TASK, ENV_TURN, ENV_SCOPE)}
@@ -367,11 +367,11 @@ class RegistryBackend(Backend):
         return sorted(killed)
 
     def _expect_orphans(self, killed) -> None:
-        """Tell the reaper that these killed members are ours to reap if they end up our children:
-        a member whose parent died in the same kill reparents to us already dead, so the reaper
+        """Tell the collector that these killed members are ours to collect if they end up our children:
+        a member whose parent died in the same kill reparents to us already dead, so the collector
         never sees it alive to check its environment."""
-        if self._reaper is not None:
-            self._reaper.expect(killed)
+        if self._orphans is not None:
+            self._orphans.expect(killed)
 
     def freeze_members(self, record, frozen: bool) -> list[int]:
         """SIGSTOP every member until a pass finds none new (a fork racing the stop is caught by
@@ -444,9 +444,9 @@ class RegistryBackend(Backend):
         return cpu, rss
 
     def close(self) -> None:
-        if self._reaper is not None:
-            self._reaper.stop()
-            self._reaper = None
+        if self._orphans is not None:
+            self._orphans.stop()
+            self._orphans = None
             release_subreaper()
         self.db.close()
 
