@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import ids, keys, leases, reasons
+from .backends.capabilities import limiter_of
 from .errors import AlreadyRunning, CgturnError, NoSuchTurn, UnsafeOperation
 from .logfields import turn_fields
 from .kernel import procfs
@@ -43,29 +44,29 @@ class GovernanceMixin:
         own limit. Set only on cgroups cgturn created, never on the caller's own.
         Raises LimitsUnavailable when a limit cannot be enforced here.
         """
-        self.backend.set_root_limits(limits)
+        limiter_of(self.backend).set_root_limits(limits)
 
     def limits(self) -> Limits:
         """The managed root's own limits (empty when none)."""
-        return self.backend.root_limits()
+        return limiter_of(self.backend).root_limits()
 
     def usage(self) -> Usage:
         """What all turns together used, as the managed root's counters say."""
-        return self.backend.root_usage()
+        return limiter_of(self.backend).root_usage()
 
     def set_task_limits(self, task_id: str, limits: Limits) -> None:
         """Set the budget of a task: all its turns together (None fields unchanged). A task with
         limits keeps its cgroup between turns, until `end_task`. Raises LimitsUnavailable."""
         ids.validate(task_id, "task")
-        self.backend.set_task_limits(ids.encode(task_id), limits)
+        limiter_of(self.backend).set_task_limits(ids.encode(task_id), limits)
 
     def task_limits(self, task_id: str) -> Limits:
         """A task's own limits (empty when none). Raises NoSuchTurn when the task does not exist."""
-        return self.backend.task_limits(self._existing_task(task_id))
+        return limiter_of(self.backend).task_limits(self._existing_task(task_id))
 
     def task_usage(self, task_id: str) -> Usage:
         """What all turns of a task used together. Raises NoSuchTurn when the task does not exist."""
-        return self.backend.task_usage(self._existing_task(task_id))
+        return limiter_of(self.backend).task_usage(self._existing_task(task_id))
 
     def _existing_task(self, task_id: str) -> str:
         ids.validate(task_id, "task")
@@ -77,7 +78,7 @@ class GovernanceMixin:
     def limits_report(self) -> dict:
         """`{layout: "v2"|"v1-hybrid"|None, available: [...], problems: [...]}`: which limits this
         managed root can have, through which layout, and why any cannot."""
-        return self.backend.limits_report()
+        return limiter_of(self.backend).report()
 
     def check_limits(self, task_key: str, turn_key: str, usage: Usage | None = None,
                      rec: TurnRecord | None = None) -> list[dict]:
@@ -88,7 +89,7 @@ class GovernanceMixin:
         rec = rec if rec is not None else self.backend.load(task_key, turn_key)
         if rec is None or rec.state == CORRUPT:
             return []
-        usage = usage if usage is not None else self.backend.limit_counters(rec)
+        usage = usage if usage is not None else limiter_of(self.backend).limit_counters(rec)
         if usage.oom_kills <= rec.audited_oom_kills and usage.pids_max_hits <= rec.audited_pids_max_hits:
             return []
         from . import audit

@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from .backends.base import Backend
+from .backends.capabilities import limiter_of
 from .errors import CgroupUnavailable
 from .kernel import discovery
 from .kernel.discovery import HostInfo as HostInfo  # defined by the kernel layer, exported here
@@ -91,7 +92,7 @@ def doctor_report(root: str | None = None, backend: str | None = None, state_dir
         where = state_dir or os.environ.get("CGTURN_STATE_DIR") or "/nonexistent"
         guard = _guard_report(choose_backend(host, wanted, where), problems)  # creates nothing
         if name == "cgroup2":
-            limits = choose_backend(host, wanted, "/nonexistent").limits_report()  # creates nothing
+            limits = limiter_of(choose_backend(host, wanted, "/nonexistent")).report()  # creates nothing
         else:
             limits["problems"] = ["the registry backend cannot enforce limits (they need cgroups)"]
     except (ValueError, CgroupUnavailable):

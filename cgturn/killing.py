@@ -13,6 +13,7 @@ import time
 
 from . import audit
 from .backends.base import Backend
+from .backends.capabilities import limiter_of
 from .logfields import turn_fields
 from .model import AbandonResult, TurnRecord
 
@@ -48,7 +49,7 @@ def kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, stat
     for _ in range(KILL_ATTEMPTS):
         if not empty:
             hit = backend.kill_members(rec)
-            backend.unthrottle(rec)  # the dying processes may exit on every core, not within a quota
+            limiter_of(backend).unthrottle(rec)  # the dying processes may exit on every core, not within a quota
             killed.update(hit)
             if hit and "SIGKILL" not in signals:
                 signals.append("SIGKILL")

@@ -8,6 +8,7 @@ import logging
 
 from . import keys
 from .backends.base import Backend
+from .backends.capabilities import limiter_of
 from .limits import stored_limits
 from .logfields import turn_fields
 from .model import TurnInfo
@@ -50,7 +51,7 @@ def list_turns(backend: Backend, task_key: str | None = None, detail: bool = Fal
         if detail or rec.limits or rec.v1_dirs:
             info.usage = backend.turn_usage(rec)
         if detail:
-            info.pressure = backend.turn_pressure(rec)
+            info.pressure = limiter_of(backend).turn_pressure(rec)
             info.frozen = rec.frozen_by is not None or backend.turn_frozen(rec)
         out.append(info)
     out.sort(key=lambda info: (info.started_at, info.task, info.turn))

@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from . import leases, reasons
+from .backends.capabilities import limiter_of
 from .errors import AccessDenied, CgturnError
 from .kernel import procfs
 from .model import ABANDONED, COMPLETED, CORRUPT, RUNNING, TurnRecord
@@ -76,7 +77,7 @@ def recover(manager: "TurnManager") -> list[RecoveryAction]:
             actions.append(RecoveryAction(ERROR, _task_of(backend, where), "", error=str(err)))
     for task_key in backend.task_keys():
         backend.remove_task(task_key)  # refuses, harmlessly, while the task still has turns
-    for path in backend.sweep_v1_dirs():
+    for path in limiter_of(backend).sweep_v1_dirs():
         actions.append(RecoveryAction(REMOVED_V1, "", "", path=path))
     _sweep_notes(manager.state_dir)
     return actions

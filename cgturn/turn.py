@@ -10,6 +10,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from . import leases, reasons
+from .backends.capabilities import limiter_of
 from .errors import NoSuchTurn
 from .model import ABANDONED, COMPLETED, RUNNING, AbandonResult, Argv, TurnRecord
 
@@ -206,7 +207,7 @@ class Turn:
             LimitsUnavailable: a limit cannot be enforced here; nothing changed.
             NoSuchTurn: the turn is gone.
         """
-        self._record = self._manager.backend.set_turn_limits(self.record, limits)
+        self._record = limiter_of(self._manager.backend).set_turn_limits(self.record, limits)
 
     def limits(self) -> "Limits":
         """The limits set on the turn itself (its task's and the root's apply too)."""

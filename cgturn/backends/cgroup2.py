@@ -9,8 +9,9 @@ shell to start. preexec_fn would force fork and is unsafe with threads;
 spawn-then-move without a gate missed 1-9 % of children here; clone3(CLONE_INTO_CGROUP) from ctypes
 is unsafe with threads.
 
-Kill paths are in cgroup2_killing.py, limits and figures in cgroup2_governance.py (mixins of the one
-backend class), the listing hot path in cgroup2_views.py, where controllers live in cgroup2_limits.py.
+The backend composes the killer (cgroup2_killer.py: signalling, cgroup.kill and its fallback, strays)
+and the limiter (cgroup2_limiter.py, `backend.limiter`: limits and figures); the listing hot path is
+cgroup2_views.py; where the controllers are is cgroup2_limits.py's.
 
 Why one module of ~460 lines: creating a turn, its records and state changes, and spawning into it
 share the turn-directory lock and the checks that make a spawn race-free against an abandon.
@@ -29,10 +30,11 @@ from ..kernel.cgroupfs import Cgroup
 from ..limits import NO_LIMITS, Limits
 from ..kernel.discovery import cgroup_mount_points, own_cgroup_dir
 from ..model import COMPLETED, CORRUPT, RUNNING, TurnRecord, TurnView
-from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag
+from ..limits import Usage
+from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag, turn_environment
 from . import cgroup2_views, isolation
-from .cgroup2_governance import GovernanceMixin
-from .cgroup2_killing import KillingMixin
+from .cgroup2_killer import CgroupKiller
+from .cgroup2_limiter import CgroupLimiter, limit_new_turn
 from .cgroup2_limits import Layout
 from .metadata import XATTR_KEY, MetadataStore
 
@@ -68,7 +70,7 @@ def _spawn_paths():
 _SPAWN_PATHS: "types.ModuleType | None" = None
 
 
-class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
+class Cgroup2Backend(Backend):
     name = "cgroup2"
 
     def __init__(self, root: str, mount: str, state_dir: str, fsroot: str = "/", use_xattrs: bool = True,
@@ -77,10 +79,11 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
         self.mount, self.fsroot = mount, fsroot
         self.state_dir = state_dir
         self.meta = MetadataStore(state_dir, use_xattrs)
-        # Decided once (discovery looked without writing; None = not known yet, so try it), and
-        # switched off on the first refusal (trio-style capability flag); tests set it to force the
-        # freeze fallback.
-        self.cgroup_kill_works = cgroup_kill is not False
+        # cgroup_kill: decided once (discovery looked without writing; None = not known yet, so try
+        # it), and switched off on the first refusal (trio-style capability flag,
+        # `killer.cgroup_kill_works`); tests set it to force the freeze fallback.
+        self.killer = CgroupKiller(self.root, self._path_on_mount, cgroup_kill)
+        self.limiter = CgroupLimiter(self.root, lambda: self.layout, self.ensure_root, self.records, self.transition)
         self._gates: SpawnGates | None = None
         self._gates_lock = threading.Lock()
         self._home: str | None = None  # where the caller was before its first enter()
@@ -117,6 +120,9 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
 
     def _cg(self, record: TurnRecord) -> Cgroup:
         return self.turn_cgroup(record.task_key, record.turn_key)
+
+    def env_for(self, record: TurnRecord) -> dict[str, str]:
+        return turn_environment(record, self.scope)
 
     # --- records and state ------------------------------------------------------------------------
 
@@ -190,7 +196,7 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
                     raise TurnExists(f"turn {record.turn_id!r} already exists in task {record.task_id!r}") from None
                 continue
             try:
-                self._limit_new_turn(record, cg, task, limits, new_task)
+                limit_new_turn(self.layout, self.root, record, cg, task, limits, new_task)
                 self.meta.save(cg, record)
             except BaseException:
                 cg.remove_tree(timeout=1.0)  # nothing is left behind by a turn that could not be made
@@ -321,7 +327,7 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
             except OSError:
                 continue
             # Opened, then checked: a pid recycled meanwhile is no longer in the turn.
-            if self._under(cg, procfs.cgroup_of(pid) or "") and not netns.same_as_ours(fd):
+            if self.killer.under(cg, procfs.cgroup_of(pid) or "") and not netns.same_as_ours(fd):
                 return fd
             os.close(fd)
         raise IsolationUnavailable(f"turn {record.turn_id!r} of task {record.task_id!r} has no network "
@@ -405,9 +411,9 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
             Cgroup(path).move_in(os.getpid())  # and back to its own v1 cgroups
 
     def contains_caller(self, record) -> bool:
-        """True when the turn holds the caller, one of its ancestors or PID 1: what `_guard` refuses
+        """True when the turn holds the caller, one of its ancestors or PID 1: what the killer refuses
         to kill, asked before an abandon marks the turn, so a refused abandon changes nothing."""
-        return self._protected_inside(self._cg(record)) is not None
+        return self.killer.protected_inside(self._cg(record)) is not None
 
     def _path_on_mount(self, rel: str) -> str | None:
         """Where a /proc/PID/cgroup path lies on our mount; None when outside our view."""
@@ -455,5 +461,33 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
                 view.memory_bytes = self.layout.v1_memory_bytes(view.record.task_key, view.record.turn_key)
         return out
 
-    def usage(self, record, pids):
-        return cgroup2_views.UsageReader().read(None, self._cg(record).path)
+    # A turn has v1 directories only when its record says so (`v1_dirs`, set under its lock when they
+    # are made): a turn without limits opens no v1 file.
+    def turn_usage(self, record) -> Usage:
+        return self.layout.usage(self._cg(record).path, record.task_key, record.turn_key, v1=record.v1_dirs)
+
+    def turn_frozen(self, record) -> bool:
+        return self._cg(record).events().get("frozen", 0) == 1
+
+    # --- killing: the killer's, on the turn's cgroup ---------------------------------------------------
+
+    def signal_members(self, record, sig) -> list[int]:
+        return self.killer.signal(self._cg(record), sig)
+
+    def kill_members(self, record) -> list[int]:
+        return self.killer.kill(self._cg(record))
+
+    def freeze_members(self, record, frozen: bool) -> list[int]:
+        try:
+            return self.killer.freeze(self._cg(record), frozen)
+        except FileNotFoundError:
+            raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} no longer exists") from None
+
+    def kill_where(self, record, doomed) -> list[int]:
+        return self.killer.kill_where(self._cg(record), doomed)
+
+    def strays(self) -> list[tuple[str, int]]:
+        return self.killer.strays()
+
+    def kill_stray(self, where: str, pid: int) -> bool:
+        return self.killer.kill_stray(where, pid)

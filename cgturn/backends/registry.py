@@ -40,9 +40,12 @@ from typing import Callable, Iterable
 from ..errors import AccessDenied, IsolationUnavailable, NoSuchProcess, NoSuchTurn, TurnExists
 from ..logfields import turn_fields
 from ..kernel import procfs
-from ..model import COMPLETED, RUNNING, TurnRecord
+from ..limits import Usage
+from ..model import COMPLETED, RUNNING, TurnRecord, TurnView
 from . import isolation
-from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag, turn_tag, with_environment
+from .base import (ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag, turn_environment,
+                   turn_tag, with_environment)
+from .capabilities import no_limits_error
 from .orphans import SPAWN_LOCK, OrphanCollector, acquire_subreaper, note_spawned, release_subreaper
 from .registry_db import RegistryDatabase
 
@@ -112,6 +115,7 @@ class RegistryBackend(Backend):
     """
 
     name = "registry"
+    limiter = None  # limits need cgroups
 
     def __init__(self, state_dir: str, subreaper: bool = True):
         # Nothing is created here: the database (and the state directory) come with the first write.
@@ -137,11 +141,22 @@ class RegistryBackend(Backend):
     def location(self) -> str:
         return self.db_path
 
+    def env_for(self, record: TurnRecord) -> dict[str, str]:
+        return turn_environment(record, self.scope)
+
+    def ensure_root(self) -> bool:
+        """Nothing to make ahead: the database comes with the first write."""
+        return False
+
+    def remove_root(self) -> bool:
+        """The database stays (it is the state directory's); nothing is left to remove."""
+        return True
+
     # --- records and state ------------------------------------------------------------------------
 
     def create_turn(self, record: TurnRecord, limits=None) -> None:
         if limits is not None and not limits.is_empty():
-            raise self._no_limits()
+            raise no_limits_error(self.name)
         if record.sealed or record.network != "host":  # both need the turn's cgroup and namespaces
             raise IsolationUnavailable("the registry backend cannot seal a turn or give it a network of its own")
         self._ensure_collector()
@@ -426,22 +441,38 @@ class RegistryBackend(Backend):
         rows = self.db.read("SELECT COUNT(*) FROM turns WHERE task_key=?", (task_key,))
         return rows[0][0] == 0
 
+    def strays(self) -> list[tuple[str, int]]:
+        """None: a process of a turn is found wherever it went (by record, descent or environment),
+        so no process is inside the registry's territory but in no turn."""
+        return []
+
+    def kill_stray(self, where: str, pid: int) -> bool:
+        """Never signals: the registry finds no strays (see `strays`)."""
+        return False
+
     # --- observation --------------------------------------------------------------------------------
 
-    def usage(self, record, pids):
-        """CPU seconds (user + system) and summed RSS of the live members (psutil)."""
-        import psutil
+    def turn_usage(self, record) -> Usage:
+        """CPU seconds of the live members; the kernel enforces no limit here, so no counters."""
+        cpu, _ = _usage([pid for pid, _ in self.members(record)])
+        return Usage(cpu_seconds=cpu)
 
-        cpu, rss = 0.0, 0
-        for pid in pids:
-            try:
-                proc = psutil.Process(pid)
-                times = proc.cpu_times()
-                cpu += times.user + times.system
-                rss += proc.memory_info().rss
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-        return cpu, rss
+    def turn_frozen(self, record) -> bool:
+        """False: without cgroup.freeze the kernel holds no freeze state (SIGSTOP is per process;
+        the record's `frozen_by` says who stopped the turn)."""
+        return False
+
+    def cgroup_dir(self, record) -> None:
+        """None: a registry turn has no cgroup."""
+        return None
+
+    def views(self, task_key=None) -> list[TurnView]:
+        out = []
+        for rec in self.records(task_key):
+            pids = sorted(pid for pid, _ in self.members(rec))
+            cpu, mem = _usage(pids)
+            out.append(TurnView(rec, pids, cpu, mem, path=self.location))
+        return out
 
     def close(self) -> None:
         if self._orphans is not None:
@@ -449,6 +480,22 @@ class RegistryBackend(Backend):
             self._orphans = None
             release_subreaper()
         self.db.close()
+
+
+def _usage(pids: list[int]) -> tuple[float, int]:
+    """CPU seconds (user + system) and summed RSS of the live processes `pids` (psutil)."""
+    import psutil
+
+    cpu, rss = 0.0, 0
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            times = proc.cpu_times()
+            cpu += times.user + times.system
+            rss += proc.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return cpu, rss
 
 
 def _close_all(held: dict[Member, tuple[int, bool]]) -> None:
