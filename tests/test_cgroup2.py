@@ -348,7 +348,7 @@ def test_gates_are_closed_once_their_shims_have_read_them(mgr):
 
 
 def test_a_gate_whose_shim_died_before_reading_go_is_closed(mgr):
-    from cgturn.backends.cgroup2 import SPAWN_SHIM
+    from cgturn.backends.shim import SPAWN_SHIM
 
     spawn_gates = mgr.backend.gates
     gate = spawn_gates.open()

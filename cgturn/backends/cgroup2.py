@@ -1,13 +1,7 @@
 """The cgroup v2 backend: every turn is a child cgroup `<root>/<task>/<turn>`; membership is ownership.
 
-Spawn: Popen starts a `/bin/sh` shim that blocks reading a pipe of its own (a "gate", see gates.py);
-the parent writes the shim's pid into the turn's cgroup.procs, then writes "go"; the shim execs the
-target. If the parent dies first, the shim reads EOF (or finds no gate) and exits 125. So the process
-is in the turn before the target runs one instruction and before `spawn` returns, Popen keeps its
-vfork path (thread-safe: no Python code between fork and exec), and the parent never waits for the
-shell to start. preexec_fn would force fork and is unsafe with threads;
-spawn-then-move without a gate missed 1-9 % of children here; clone3(CLONE_INTO_CGROUP) from ctypes
-is unsafe with threads.
+Spawn: straight into the turn's cgroup where a native path honours the request, else through a gated
+shim (spawn_paths.py, shim.py, spawn_options.py: the process is in the turn before the target runs).
 
 The backend composes the killer (cgroup2_killer.py: signalling, cgroup.kill and its fallback, strays)
 and the limiter (cgroup2_limiter.py, `backend.limiter`: limits and figures); the listing hot path is
@@ -27,11 +21,10 @@ from typing import TYPE_CHECKING, Iterable
 from ..errors import AccessDenied, IsolationUnavailable, NoSuchTurn, TurnExists, UnsafeOperation
 from ..kernel import procfs
 from ..kernel.cgroupfs import Cgroup
-from ..limits import NO_LIMITS, Limits
-from ..kernel.discovery import cgroup_mount_points, own_cgroup_dir
+from ..kernel.discovery import own_cgroup_dir
+from ..limits import NO_LIMITS, Limits, Usage
 from ..model import COMPLETED, CORRUPT, RUNNING, TurnRecord, TurnView
-from ..limits import Usage
-from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag, turn_environment
+from .base import Backend, Member, scope_tag, turn_environment
 from . import cgroup2_views, isolation
 from .cgroup2_killer import CgroupKiller
 from .cgroup2_limiter import CgroupLimiter, limit_new_turn
@@ -43,17 +36,12 @@ if TYPE_CHECKING:
     import types
 
     from .gates import SpawnGates
+    from .spawn_options import SpawnTarget
 
 log = logging.getLogger("cgturn")
 # How long a state change waits for the turn's lock before going on without it (seconds).
 TRANSITION_LOCK_WAIT = 2.0
-
-# `$0` is the gate (the path of a pipe's read end); $1-$3 the turn's CGTURN_TASK, CGTURN_TURN and
-# CGTURN_SCOPE; the rest the program and its arguments. Anything but "go" (EOF when the parent gave up
-# or died, or no such fd) exits 125 without running the target, quietly: a parent that died is not the
-# target's error. Exporting in the shim spares Popen a copy of the whole environment.
-SPAWN_SHIM = (f'read go 2>/dev/null < "$0" && [ "$go" = go ] || exit 125; '
-              f'export {ENV_TASK}="$1" {ENV_TURN}="$2" {ENV_SCOPE}="$3"; shift 3; exec "$@"')
+SPAWN_TARGETS_MAX = 1024  # turns whose SpawnTarget a backend keeps
 
 
 def _spawn_paths():
@@ -93,8 +81,8 @@ class Cgroup2Backend(Backend):
         # fds holding the network namespaces of turns begun here with network="none" (kernel/netns.py)
         self._netns: dict[tuple[str, str], int] = {}
         self._netns_lock = threading.Lock()
-        # What the native spawn path keeps per turn (spawn_paths._prepared)
-        self.spawn_prepared: dict = {}
+        # (task_key, turn_key, v1_dirs) -> the turn's SpawnTarget (fixed for the turn's life)
+        self._spawn_targets: dict[tuple[str, str, bool], SpawnTarget] = {}
 
     @property
     def gates(self) -> "SpawnGates":
@@ -258,57 +246,22 @@ class Cgroup2Backend(Backend):
 
     def spawn(self, record, argv, popen_kwargs) -> "subprocess.Popen":
         spawn_paths = _spawn_paths()
-        # Straight into the cgroup when the native path can honour the request (spawn_paths.py);
-        # else, or when it hands the spawn back, the shim below.
-        way = spawn_paths.choose(record, popen_kwargs)
-        if way != spawn_paths.SHIM:
-            proc = spawn_paths.spawn_native(self, record, way, argv, popen_kwargs)
-            if proc is not None:
-                return proc
-        import subprocess
+        task, turn = record.task_key, record.turn_key
+        hooks = spawn_paths.ShimHooks(gates=lambda: self.gates, join_v1=lambda pid: self.layout.join_v1(pid, task, turn),
+                                      network_fd=lambda: self._spawn_netns(record))
+        return spawn_paths.spawn(record, self._spawn_target(record), self.meta, hooks, argv, popen_kwargs)
 
-        argv, program, kwargs, identity = prepare_spawn(argv, popen_kwargs)
-        # Run by the shim after "go", in this order: inside the turn, as the caller, before the target.
-        steps = isolation.drop_privileges(identity, record.sealed)
-        if record.sealed:  # read per spawn: the host may have mounted a hierarchy since
-            steps = isolation.seal(cgroup_mount_points()) + steps
-        netns = None
-        if record.network != "host":
-            netns = self._spawn_netns(record)
-            steps = isolation.enter_network(netns) + steps
-            kwargs["pass_fds"] = (*kwargs.get("pass_fds", ()), netns)
-        gate = self.gates.open()
-        shim = ["/bin/sh", "-c", SPAWN_SHIM, gate.path, record.task_key, record.turn_key, self.scope]
-        if gate.pass_fds:
-            kwargs["pass_fds"] = (*kwargs.get("pass_fds", ()), *gate.pass_fds)
-        try:
-            proc = subprocess.Popen([*shim, *steps, program, *argv[1:]], **kwargs)
-        except BaseException:
-            self.gates.discard(gate)
-            raise
-        finally:
-            if netns is not None:
-                os.close(netns)  # the shim holds its own copy
-        cg = self._cg(record)
-        try:
-            # Our unreaped child, blocked on its gate: its pid cannot have been recycled.
-            cg.move_in(proc.pid)
-            # Checked after the move: an abandon marks the turn before it kills, so either we see
-            # the mark here, or its kill comes after our move and takes the shim with it.
-            current = self.meta.load(cg)
-            joined = current is not None and current.state == RUNNING
-            if current is not None and joined and current.v1_dirs:  # the turn's v1 limits hold before the target runs too
-                self.layout.join_v1(proc.pid, record.task_key, record.turn_key)
-        except FileNotFoundError:
-            joined = False
-        except BaseException:
-            self._abort_spawn(gate, proc)
-            raise
-        if not joined:
-            self._abort_spawn(gate, proc)
-            raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} ended while spawning")
-        self.gates.release(gate, proc.pid)
-        return proc
+    def _spawn_target(self, record: TurnRecord) -> "SpawnTarget":
+        key = (record.task_key, record.turn_key, record.v1_dirs)
+        found = self._spawn_targets.get(key)
+        if found is None:
+            v1 = [f"{d}/cgroup.procs" for d in self.layout.v1_dirs(record.task_key, record.turn_key).values()] \
+                if record.v1_dirs else []
+            found = _spawn_paths().target(self._cg(record).path, v1, self.env_for(record))
+            if len(self._spawn_targets) >= SPAWN_TARGETS_MAX:
+                self._spawn_targets.clear()
+            self._spawn_targets[key] = found
+        return found
 
     def _spawn_netns(self, record: TurnRecord) -> int:
         """A new fd of the turn's network namespace: a copy of the one held here since begin_turn, or
@@ -341,12 +294,6 @@ class Cgroup2Backend(Backend):
                 rec = self.load(*key)
                 if rec is None or rec.state != RUNNING:
                     os.close(self._netns.pop(key))
-
-    def _abort_spawn(self, gate, proc: "subprocess.Popen") -> None:
-        """Close the gate without "go" (the shim reads EOF and exits 125 without running the target)."""
-        self.gates.discard(gate)
-        proc.kill()
-        proc.wait()
 
     def close(self) -> None:
         if self._gates is not None:  # never made by a read-only user: nothing to close
