@@ -12,6 +12,7 @@ import os
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from ..model import Argv, TurnRecord, TurnView
+from .spawn_options import REFUSED_OPTIONS
 
 if TYPE_CHECKING:
     import subprocess
@@ -26,10 +27,6 @@ ENV_TURN = "CGTURN_TURN"
 # host with the same task and turn names never take each other's processes. Its value is opaque.
 ENV_SCOPE = "CGTURN_SCOPE"
 
-# Popen keyword arguments that cgturn cannot honour without weakening ownership, and what to do instead.
-_REFUSED_KWARGS = {
-    "executable": "put the program in argv[0]",
-}
 # Popen would drop privileges before the process joins its turn (only a privileged process may write
 # cgroup.procs there): the backends drop them after the join instead (isolation.py).
 IDENTITY_KWARGS = ("user", "group", "extra_groups")
@@ -250,7 +247,7 @@ def normalize_spawn(argv, popen_kwargs: dict) -> tuple[list[str], dict]:
     if not popen_kwargs and type(argv) is list and argv and all(type(a) is str for a in argv):
         return list(argv), {}  # the usual request: nothing to refuse or convert
     kwargs = dict(popen_kwargs)
-    for name, instead in _REFUSED_KWARGS.items():
+    for name, instead in REFUSED_OPTIONS.items():
         if kwargs.get(name) is not None:
             raise ValueError(f"Turn.spawn does not support {name}=; {instead}")
         kwargs.pop(name, None)
