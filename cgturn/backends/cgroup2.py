@@ -3,12 +3,12 @@
 Spawn: straight into the turn's cgroup where a native path honours the request, else through a gated
 shim (spawn_paths.py, shim.py, spawn_options.py: the process is in the turn before the target runs).
 
-The backend composes the killer (cgroup2_killer.py: signalling, cgroup.kill and its fallback, strays)
-and the limiter (cgroup2_limiter.py, `backend.limiter`: limits and figures); the listing hot path is
-cgroup2_views.py; where the controllers are is cgroup2_limits.py's.
-
-Why one module of ~460 lines: creating a turn, its records and state changes, and spawning into it
-share the turn-directory lock and the checks that make a spawn race-free against an abandon.
+The backend composes small objects with one job each: the killer (cgroup2_killer.py: signalling,
+cgroup.kill and its fallback, strays), the limiter (cgroup2_limiter.py, `backend.limiter`: limits and
+figures), the placement of processes (cgroup2_placement.py: which turn a pid is in, enter/leave) and
+the turns' isolation (cgroup2_isolation.py: sealing checks, network namespaces). The listing hot path
+is cgroup2_views.py; where the controllers are is cgroup2_limits.py's. What stays here: creating a
+turn, its records and state changes under the turn-directory lock, and what a spawn needs.
 """
 from __future__ import annotations
 
@@ -18,18 +18,19 @@ import os
 import threading
 from typing import TYPE_CHECKING, Iterable
 
-from ..errors import AccessDenied, IsolationUnavailable, NoSuchTurn, TurnExists, UnsafeOperation
+from ..errors import AccessDenied, NoSuchTurn, TurnExists
 from ..kernel import procfs
 from ..kernel.cgroupfs import Cgroup
-from ..kernel.discovery import own_cgroup_dir
 from ..limits import NO_LIMITS, Limits, Usage
 from ..model import COMPLETED, CORRUPT, RUNNING, TurnRecord, TurnView
-from .base import Backend, Member, scope_tag, turn_environment
-from . import cgroup2_views, isolation
+from .base import Backend, Member, turn_environment
+from . import cgroup2_views
+from .cgroup2_isolation import TurnIsolation
 from .cgroup2_killer import CgroupKiller
 from .cgroup2_limiter import CgroupLimiter, limit_new_turn
 from .cgroup2_limits import Layout
-from .metadata import XATTR_KEY, MetadataStore
+from .cgroup2_placement import Placement
+from .metadata import MetadataStore
 
 if TYPE_CHECKING:
     import subprocess
@@ -64,23 +65,20 @@ class Cgroup2Backend(Backend):
     def __init__(self, root: str, mount: str, state_dir: str, fsroot: str = "/", use_xattrs: bool = True,
                  cgroup_kill: bool | None = None):
         self.root = Cgroup(os.path.normpath(root))
-        self.mount, self.fsroot = mount, fsroot
+        self.mount = mount
+        self.placement = Placement(self.root, mount, fsroot)
         self.state_dir = state_dir
         self.meta = MetadataStore(state_dir, use_xattrs)
         # cgroup_kill: decided once (discovery looked without writing; None = not known yet, so try
         # it), and switched off on the first refusal (trio-style capability flag,
         # `killer.cgroup_kill_works`); tests set it to force the freeze fallback.
-        self.killer = CgroupKiller(self.root, self._path_on_mount, cgroup_kill)
+        self.killer = CgroupKiller(self.root, self.placement.path_on_mount, cgroup_kill)
         self.limiter = CgroupLimiter(self.root, lambda: self.layout, self.ensure_root, self.records, self.transition)
         self._gates: SpawnGates | None = None
         self._gates_lock = threading.Lock()
-        self._home: str | None = None  # where the caller was before its first enter()
-        self._home_v1: dict[str, str] = {}  # and in the v1 hierarchies
         self._layout: Layout | None = None
         self._layout_recorded = False
-        # fds holding the network namespaces of turns begun here with network="none" (kernel/netns.py)
-        self._netns: dict[tuple[str, str], int] = {}
-        self._netns_lock = threading.Lock()
+        self.isolation = TurnIsolation(self.load, self.killer.under)  # sealing, network namespaces
         # (task_key, turn_key, v1_dirs) -> the turn's SpawnTarget (fixed for the turn's life)
         self._spawn_targets: dict[tuple[str, str, bool], SpawnTarget] = {}
 
@@ -118,7 +116,7 @@ class Cgroup2Backend(Backend):
     def layout(self) -> Layout:
         """Where memory, pids and cpu are for this managed root (see cgroup2_limits)."""
         if self._layout is None:
-            self._layout = Layout(self.root, self._path_on_mount(procfs.cgroup_of("self") or ""))
+            self._layout = Layout(self.root, self.placement.path_on_mount(procfs.cgroup_of("self") or ""))
         return self._layout
 
     def ensure_root(self) -> bool:
@@ -140,7 +138,7 @@ class Cgroup2Backend(Backend):
     def create_turn(self, record: TurnRecord, limits: Limits | None = None) -> None:
         limits = limits or NO_LIMITS
         self.layout.check(limits)  # LimitsUnavailable before anything is made
-        netns = self._isolation_for(record)  # IsolationUnavailable, before anything is made
+        netns = self.isolation.prepare(record)  # IsolationUnavailable, before anything is made
         try:
             self._create_turn(record, limits)
         except BaseException:
@@ -148,24 +146,7 @@ class Cgroup2Backend(Backend):
                 os.close(netns)
             raise
         if netns is not None:
-            with self._netns_lock:
-                self._netns[(record.task_key, record.turn_key)] = netns
-
-    def _isolation_for(self, record: TurnRecord) -> int | None:
-        """Check that the turn's isolation can be given here, and make its network namespace (an fd
-        holding it) when it asks for one; nothing else is made."""
-        self._release_netns()
-        if record.sealed:
-            isolation.check_seal()
-        if record.network == "host":
-            return None
-        isolation.helper(isolation.NSENTER)
-        from ..kernel import netns
-
-        try:
-            return netns.new_loopback_only()
-        except OSError as err:
-            raise IsolationUnavailable(f"the kernel refused a network namespace: {err}") from err
+            self.isolation.keep(record, netns)
 
     def _create_turn(self, record: TurnRecord, limits: Limits) -> None:
         self.ensure_root()
@@ -229,8 +210,8 @@ class Cgroup2Backend(Backend):
             if rec is None or (when is not None and not when(rec)) or not rec.advance(allowed_from, to_state, updates):
                 return False, rec
             self.meta.save(cg, rec)
-        if to_state != RUNNING and (task_key, turn_key) in self._netns:
-            self._release_netns()
+        if to_state != RUNNING and self.isolation.holds(task_key, turn_key):
+            self.isolation.release_ended()
         return True, rec
 
     @contextlib.contextmanager
@@ -248,7 +229,7 @@ class Cgroup2Backend(Backend):
         spawn_paths = _spawn_paths()
         task, turn = record.task_key, record.turn_key
         hooks = spawn_paths.ShimHooks(gates=lambda: self.gates, join_v1=lambda pid: self.layout.join_v1(pid, task, turn),
-                                      network_fd=lambda: self._spawn_netns(record))
+                                      network_fd=lambda: self.isolation.network_fd(record, self._cg(record)))
         return spawn_paths.spawn(record, self._spawn_target(record), self.meta, hooks, argv, popen_kwargs)
 
     def _spawn_target(self, record: TurnRecord) -> "SpawnTarget":
@@ -263,45 +244,10 @@ class Cgroup2Backend(Backend):
             self._spawn_targets[key] = found
         return found
 
-    def _spawn_netns(self, record: TurnRecord) -> int:
-        """A new fd of the turn's network namespace: a copy of the one held here since begin_turn, or
-        else that of a live member (another process spawning into the turn); the caller closes it.
-        IsolationUnavailable when neither exists."""
-        with self._netns_lock:  # a copy: the held fd may be closed by a concurrent end of the turn
-            held = self._netns.get((record.task_key, record.turn_key))
-            if held is not None:
-                return os.dup(held)  # O_CLOEXEC unset: the Popen below passes it on (pass_fds)
-        from ..kernel import netns
-
-        cg = self._cg(record)
-        for pid in cg.procs_recursive():
-            try:
-                fd = netns.open_of(pid)
-            except OSError:
-                continue
-            # Opened, then checked: a pid recycled meanwhile is no longer in the turn.
-            if self.killer.under(cg, procfs.cgroup_of(pid) or "") and not netns.same_as_ours(fd):
-                return fd
-            os.close(fd)
-        raise IsolationUnavailable(f"turn {record.turn_id!r} of task {record.task_id!r} has no network "
-                                   "namespace left to join (its owner's is closed and no process of it lives)")
-
-    def _release_netns(self) -> None:
-        """Close the namespace fds of turns no longer running (their processes keep the namespace
-        alive while they live; a turn that is gone leaves nothing behind)."""
-        with self._netns_lock:
-            for key in list(self._netns):
-                rec = self.load(*key)
-                if rec is None or rec.state != RUNNING:
-                    os.close(self._netns.pop(key))
-
     def close(self) -> None:
         if self._gates is not None:  # never made by a read-only user: nothing to close
             self._gates.close()
-        with self._netns_lock:
-            for fd in self._netns.values():
-                os.close(fd)
-            self._netns.clear()
+        self.isolation.close()
 
     def adopt(self, record, pid) -> None:
         try:
@@ -323,50 +269,23 @@ class Cgroup2Backend(Backend):
         return out
 
     def turn_of(self, pid: int) -> tuple[str, str] | None:
-        path = self._path_on_mount(procfs.cgroup_of(pid) or "")
-        if path is None:
-            return None
-        root = self.root.path
-        if path.startswith(root + "/"):
-            return root, path[len(root) + 1:].split("/", 1)[0]
-        # Another manager's turn carries a record on its directory (or an ancestor of it).
-        while path.startswith(self.mount + "/"):
-            if Cgroup(path).get_xattr(XATTR_KEY) is not None:
-                task = os.path.dirname(path)
-                return os.path.dirname(task), os.path.basename(task)
-            path = os.path.dirname(path)
-        tag = scope_tag(procfs.environ(pid))
-        return tag if tag is not None and tag[0] != self.scope else None
+        return self.placement.turn_of(pid)
 
     def enter(self, record) -> None:
-        if self._home is None:
-            self._home = self._path_on_mount(procfs.cgroup_of("self") or "")
-            if self._home is None:
-                raise UnsafeOperation("cannot enter a turn: the caller's own cgroup is not visible")
-            self._home_v1 = self.layout.own_v1_dirs()
         try:
-            self._cg(record).move_in(os.getpid())
+            self.placement.enter(self._cg(record), self.layout.own_v1_dirs)
             if record.v1_dirs:
                 self.layout.join_v1(os.getpid(), record.task_key, record.turn_key)
         except FileNotFoundError:
             raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} no longer exists") from None
 
     def leave(self) -> None:
-        if self._home is not None:
-            Cgroup(self._home).move_in(os.getpid())  # the one move outside the managed root
-        for path in self._home_v1.values():
-            Cgroup(path).move_in(os.getpid())  # and back to its own v1 cgroups
+        self.placement.leave()
 
     def contains_caller(self, record) -> bool:
         """True when the turn holds the caller, one of its ancestors or PID 1: what the killer refuses
         to kill, asked before an abandon marks the turn, so a refused abandon changes nothing."""
         return self.killer.protected_inside(self._cg(record)) is not None
-
-    def _path_on_mount(self, rel: str) -> str | None:
-        """Where a /proc/PID/cgroup path lies on our mount; None when outside our view."""
-        if not rel:
-            return None
-        return own_cgroup_dir(self.mount, self.fsroot, f"0::{rel}\n")
 
     def wait_empty(self, record, timeout) -> bool:
         return self._cg(record).wait_unpopulated(timeout)
