@@ -8,10 +8,11 @@ pressure). The manager's public limit methods (`set_limits`, `task_usage`, ...) 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from . import ids, reasons
-from .errors import LimitsUnavailable, NoSuchTurn
+from .backends.capabilities import Limiter, no_limits_error
+from .errors import NoSuchTurn
 from .limits import Limits, Usage, stored_limits
 from .logfields import turn_fields
 from .model import CORRUPT, TurnRecord
@@ -20,52 +21,6 @@ if TYPE_CHECKING:
     from .backends.base import Backend
 
 log = logging.getLogger("cgturn")
-
-
-class Limiter(Protocol):
-    """The backend's limits capability (`backend.limiter`): what ownership asks of it."""
-
-    def set_turn_limits(self, record: TurnRecord, limits: Limits) -> TurnRecord: ...
-    def set_task_limits(self, task_key: str, limits: Limits) -> None: ...
-    def set_root_limits(self, limits: Limits) -> None: ...
-    def task_limits(self, task_key: str) -> Limits: ...
-    def root_limits(self) -> Limits: ...
-    def limit_counters(self, record: TurnRecord) -> Usage: ...
-    def task_usage(self, task_key: str) -> Usage: ...
-    def root_usage(self) -> Usage: ...
-    def report(self) -> dict[str, Any]: ...
-    def turn_pressure(self, record: TurnRecord) -> dict[str, Any] | None: ...
-    def unthrottle(self, record: TurnRecord) -> None: ...
-    def sweep_v1_dirs(self) -> list[str]: ...
-
-
-# --- MERGE: delete from here to the end marker once the backends branch gives every backend a
-# `limiter` attribute (PLAN.md interface 2); `limiter_of(backend)` then becomes `backend.limiter`.
-class _TodaysLimiter:
-    """Today's limit methods of a cgroup backend, seen as a `Limiter` (transitional)."""
-
-    def __init__(self, backend: Any) -> None:
-        self._b = backend
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._b, "limits_report" if name == "report" else name)
-
-
-def limiter_of(backend: "Backend") -> Limiter | None:
-    """`backend.limiter`, or today's backend seen through the same interface (None: the registry)."""
-    if hasattr(backend, "limiter"):
-        limiter: Limiter | None = getattr(backend, "limiter")
-        return limiter
-    if backend.name == "registry":
-        return None
-    today: Limiter = _TodaysLimiter(backend)
-    return today
-# --- MERGE: end of the transitional adapter.
-
-
-def no_limits(backend_name: str) -> LimitsUnavailable:
-    """The error for a limit asked of a backend without a limiter."""
-    return LimitsUnavailable(f"the {backend_name} backend cannot enforce limits (they need cgroups)")
 
 
 class Governance:
@@ -84,7 +39,7 @@ class Governance:
 
     def _required(self) -> Limiter:
         if self.limiter is None:
-            raise no_limits(self.backend.name)
+            raise no_limits_error(self.backend.name)
         return self.limiter
 
     def set_limits(self, limits: Limits) -> None:
@@ -124,7 +79,7 @@ class Governance:
     def report(self) -> dict[str, Any]:
         """`{layout, available, problems}`: which limits the managed root can have, and why not."""
         if self.limiter is None:
-            return {"layout": None, "available": [], "problems": [str(no_limits(self.backend.name))]}
+            return {"layout": None, "available": [], "problems": [str(no_limits_error(self.backend.name))]}
         return self.limiter.report()
 
     def set_turn_limits(self, rec: TurnRecord, limits: Limits) -> TurnRecord:

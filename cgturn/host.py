@@ -110,9 +110,7 @@ def doctor_report(root: str | None = None, backend: str | None = None, state_dir
         where = state_dir or os.environ.get("CGTURN_STATE_DIR") or "/nonexistent"
         guard = _guard_report(choose_backend(host, wanted, where), problems)  # creates nothing
         if name == "cgroup2":
-            from .governance import limiter_of
-
-            limiter = limiter_of(choose_backend(host, wanted, "/nonexistent"))  # creates nothing
+            limiter = choose_backend(host, wanted, "/nonexistent").limiter  # creates nothing
             if limiter is not None:
                 limits = limiter.report()
         else:

@@ -21,7 +21,7 @@ from .logfields import turn_fields
 from .model import AbandonResult, TurnRecord
 
 if TYPE_CHECKING:
-    from .governance import Limiter
+    from .backends.capabilities import Limiter
 
 # Called once a dying turn is empty, before its cgroup (and its counters) go: (task_key, turn_key, usage).
 BeforeRemoval = Callable[[str, str, Usage], None]

@@ -21,7 +21,7 @@ from .backends.base import Backend
 from .control import TurnControl
 from .errors import NoSuchTurn, UnsafeOperation
 from .events import Listeners, ManagerAddOn
-from .governance import Governance, limiter_of
+from .governance import Governance
 from .host import choose_backend, default_state_dir, discover_host, sentinel_setting, wanted_backend
 from .limits import Limits, Usage
 from .model import NETWORKS, AbandonResult, TurnInfo
@@ -65,7 +65,7 @@ class TurnManager:
             self.backend = choose_backend(discover_host(root), wanted_backend(backend), self.state_dir)
         self.sentinel_enabled = sentinel_setting(sentinel)
         self.events = Listeners()
-        self._governance = Governance(self.backend, self.state_dir, limiter_of(self.backend))
+        self._governance = Governance(self.backend, self.state_dir, self.backend.limiter)
         self._control = TurnControl(self.backend, self.state_dir, self.events, self._governance)
         self.guard = guard
         if recover:

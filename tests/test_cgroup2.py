@@ -95,7 +95,7 @@ def test_process_is_in_the_turn_before_its_first_instruction_even_with_threads(m
 @pytest.mark.parametrize("use_cgroup_kill", [True, False], ids=["cgroup.kill", "freeze-fallback"])
 def test_abandon_kills_every_escaper(mgr, escapers, name, use_cgroup_kill, bystanders):
     """Every escaper, the environment-clearing one included: membership is the cgroup."""
-    mgr.backend.cgroup_kill_works = use_cgroup_kill
+    mgr.backend.killer.cgroup_kill_works = use_cgroup_kill
     before = bystanders("sleep", "300")
     done_turn = mgr.begin_turn("task", "done")
     survivor = done_turn.spawn(["sleep", "300"])
@@ -133,7 +133,7 @@ def test_fork_storm_ends_with_zero_survivors(mgr, tmp_path):
         time.sleep(max(0, deadline - time.monotonic()))
     """)
     for use_kill in (True, False):
-        mgr.backend.cgroup_kill_works = use_kill
+        mgr.backend.killer.cgroup_kill_works = use_kill
         turn = mgr.begin_turn("storm", str(use_kill))
         p = turn.spawn([PY, "-c", storm], stdout=subprocess.PIPE, text=True)
         assert p.stdout.readline().strip() == "go"
@@ -165,7 +165,7 @@ def test_payload_that_makes_and_freezes_a_sub_cgroup_still_dies(mgr):
     p = turn.spawn([PY, "-c", script, mgr.backend.mount], stdout=subprocess.PIPE, text=True)
     hidden = int(p.stdout.readline())
     assert hidden in turn.pids()
-    mgr.backend.cgroup_kill_works = False  # the freeze fallback; torture covers deeper nesting on cgroup.kill
+    mgr.backend.killer.cgroup_kill_works = False  # the freeze fallback; torture covers deeper nesting on cgroup.kill
     result = turn.abandon("x", grace=0)
     assert hidden in result.killed
     assert wait_until(lambda: not alive(hidden))
@@ -201,11 +201,11 @@ def test_kills_outside_the_managed_root_are_refused(mgr, tmp_path):
             mgr.backend.kill_members(rec)
     for outside in (mgr.backend.mount, mgr.backend.root.path, mgr.backend.root.path + "/../x"):
         with pytest.raises(UnsafeOperation):
-            mgr.backend._guard(Cgroup(outside))
+            mgr.backend.killer._refuse_protected(Cgroup(outside))
     link = tmp_path / "link"
     os.symlink(mgr.backend.mount, link)
     with pytest.raises(UnsafeOperation):
-        mgr.backend._guard(Cgroup(str(link)))
+        mgr.backend.killer._refuse_protected(Cgroup(str(link)))
     turn.complete()
 
 
@@ -259,9 +259,7 @@ def test_reap_abandons_turns_of_a_dead_owner_and_keeps_completed_survivors(mgr, 
 
 
 def test_fast_listing_agrees_with_the_generic_composition(mgr):
-    """views() answers ps in one pass; it must see what records/members/usage see, sub-cgroups too."""
-    from cgturn.backends.base import Backend
-
+    """views() answers ps in one pass; it must see what records/members/cgroup_dir see, sub-cgroups too."""
     plain = mgr.begin_turn("list", "plain")
     p1 = plain.spawn(["sleep", "300"])
     nested = mgr.begin_turn("list", "nested")
@@ -270,11 +268,11 @@ def test_fast_listing_agrees_with_the_generic_composition(mgr):
     sub.create()
     sub.move_in(p2.pid)  # now the pid lives only in a sub-cgroup of the turn
     fast = {v.record.turn_id: v for v in mgr.backend.views("list")}
-    slow = {v.record.turn_id: v for v in Backend.views(mgr.backend, "list")}
+    slow = {rec.turn_id: (sorted(pid for pid, _ in mgr.backend.members(rec)), mgr.backend.cgroup_dir(rec))
+            for rec in mgr.backend.records("list")}
     assert fast.keys() == slow.keys() == {"plain", "nested"}
     for name in fast:
-        assert fast[name].pids == slow[name].pids
-        assert fast[name].path == slow[name].path
+        assert (fast[name].pids, fast[name].path) == slow[name]
     assert fast["nested"].pids == [p2.pid] and fast["plain"].pids == [p1.pid]
     assert len(fast["nested"].cgroup_ids) == 2 and os.stat(sub.path).st_ino in fast["nested"].cgroup_ids
     mgr.end_task("list")
@@ -350,7 +348,7 @@ def test_gates_are_closed_once_their_shims_have_read_them(mgr):
 
 
 def test_a_gate_whose_shim_died_before_reading_go_is_closed(mgr):
-    from cgturn.backends.cgroup2 import SPAWN_SHIM
+    from cgturn.backends.shim import SPAWN_SHIM
 
     spawn_gates = mgr.backend.gates
     gate = spawn_gates.open()

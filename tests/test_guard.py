@@ -455,8 +455,8 @@ def test_memory_guard_freezes_the_thrashing_turn_then_thaws_it(cgroup2_root, sta
     guard = PressureGuard(resource="memory", trigger=MEMORY_TRIGGER, watch="root", thaw_after=5.0,
                           abandon_after=600)
     with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, guard=guard) as mgr:
-        if "memory" not in mgr.backend.limits_report()["available"]:
-            pytest.skip(f"no memory limit here: {mgr.backend.limits_report()}")
+        if "memory" not in mgr.limits_report()["available"]:
+            pytest.skip(f"no memory limit here: {mgr.limits_report()}")
         limit = Limits(memory_max=THRASH_LIMIT)
         quiet = mgr.begin_turn("t", "quiet", limits=limit)
         holder = quiet.spawn([PY, "-c", HOLD])

@@ -137,7 +137,7 @@ def test_two_turns_without_network_each_listen_on_3000_and_ps_shows_both(cgroup2
         t.abandon("test", grace=0)
         s.wait(timeout=10)
         s.stdout.close()
-    assert mgr.backend._netns == {}
+    assert mgr.backend.isolation._fds == {}
     assert not any(os.readlink(f"/proc/self/fd/{fd}") in (first, second) for fd in os.listdir("/proc/self/fd")
                    if os.path.exists(f"/proc/self/fd/{fd}"))
     mgr.end_task("net")

@@ -705,7 +705,7 @@ def test_a_dying_turn_loses_its_cpu_quota(mgr):
     turn = mgr.begin_turn("unthrottle", "t", limits=Limits(cpus=0.5, pids_max=64))
     quota = os.path.join(v1_dirs(mgr, *turn.names)["cpu"], "cpu.cfs_quota_us")
     assert open(quota).read().strip() == "50000"
-    mgr._governance.limiter.unthrottle(turn.record)
+    mgr.backend.limiter.unthrottle(turn.record)
     assert open(quota).read().strip() == "-1"
     assert open(os.path.join(v1_dirs(mgr, *turn.names)["pids"], "pids.max")).read().strip() == "64"
     turn.abandon("done", grace=0)

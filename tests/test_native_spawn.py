@@ -6,6 +6,7 @@ running after the mark; threads spawning while others fork neither deadlock nor 
 from __future__ import annotations
 
 import errno
+import inspect
 import logging
 import os
 import signal
@@ -244,6 +245,37 @@ def test_requests_the_native_path_cannot_honour_take_the_shim(cgroup2_manager, p
     assert proc.wait(timeout=10) == 0
     assert spawn_paths.choose(turn.record, {"stdout": subprocess.PIPE}) == path
     assert spawn_paths.choose(turn.record, {"stdout": None, "startupinfo": object()}) == spawn_paths.SHIM
+
+
+def test_every_popen_keyword_is_in_the_table_of_spawn_options():
+    """A keyword a new Python adds to Popen must be classified (which paths honour it, its default)
+    instead of silently sending every spawn that uses it down the slower shim."""
+    from cgturn.backends.spawn_options import SPAWN_OPTIONS
+
+    params = inspect.signature(subprocess.Popen.__init__).parameters
+    popen = {name: p.default for name, p in params.items() if name not in ("self", "args")}
+    assert set(SPAWN_OPTIONS) == set(popen)
+    assert {name: default for name, (_, default) in SPAWN_OPTIONS.items()} == popen
+
+
+@pytest.mark.parametrize("native", [spawn_paths.CLONE3, spawn_paths.POSIX_SPAWN])
+def test_the_table_decides_the_path_and_a_slower_choice_names_the_option(native, monkeypatch, caplog):
+    """Every option, given at a value other than its default: the native path when the table says it
+    honours it, else the shim with one debug line naming the option; at its default, the native path."""
+    from cgturn.backends.spawn_options import SPAWN_OPTIONS
+    from cgturn.model import TurnRecord
+
+    for flag, value in spawn_paths.forced(native).items():
+        monkeypatch.setattr(spawn_paths, flag, value)
+    record = TurnRecord("t", "u", "t", "u")
+    for name, (honoured, default) in SPAWN_OPTIONS.items():
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="cgturn"):
+            way = spawn_paths.choose(record, {name: object()})
+        assert way == (native if native in honoured else spawn_paths.SHIM), name
+        [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("spawn path for turn")]
+        assert (f"cannot honour {name})" in line) is (way == spawn_paths.SHIM), line
+        assert spawn_paths.choose(record, {name: default}) == native, name
 
 
 def test_a_frozen_turn_spawns_through_the_shim(cgroup2_manager, path):

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 from cgturn import RUNNING, TurnManager, UnsafeOperation
-from cgturn.backends.reaper import is_child_subreaper
+from cgturn.backends.orphans import is_child_subreaper
 from cgturn.backends.registry import RegistryBackend
 from cgturn.kernel import procfs
 from cgturn.model import TurnRecord
@@ -285,9 +285,9 @@ def test_subreaper_never_steals_a_popen_exit_status(registry):
     plain = subprocess.Popen(["sh", "-c", "exit 9"])
     for child in (mine, plain):
         assert wait_until(lambda child=child: procfs.stat(child.pid).state == "Z", 5)
-    # Several reaper sweeps later (run here, so they surely ran) they are still zombies waiting for their Popen.
+    # Several collector sweeps later (run here, so they surely ran) they are still zombies waiting for their Popen.
     for _ in range(5):
-        mgr.backend._reaper.sweep()
+        mgr.backend._orphans.sweep()
         assert procfs.stat(mine.pid).state == "Z" and procfs.stat(plain.pid).state == "Z"
     assert mine.wait(timeout=5) == 7 and plain.wait(timeout=5) == 9
 
@@ -332,9 +332,9 @@ def test_fallback_in_namespace_without_cgroup2(outer_turn, tmp_path):
     assert report["bystander_alive"] is True
 
 
-def test_killed_members_that_reparent_to_the_owner_are_reaped(tmp_path):
+def test_killed_members_that_reparent_to_the_owner_are_collected(tmp_path):
     """A turn's grandchildren die with their parent and reparent to the subreaper already dead; they
-    must not pile up as zombies of the owner (they did, until kills told the reaper to expect them)."""
+    must not pile up as zombies of the owner (they did, until kills told the collector to expect them)."""
     mgr = TurnManager(backend="registry", state_dir=str(tmp_path / "state"))
     try:
         turn = mgr.begin_turn("zombies")

@@ -11,14 +11,15 @@ import errno
 import os
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from ..errors import LimitsUnavailable
 from ..model import Argv, TurnRecord, TurnView
+from .spawn_options import REFUSED_OPTIONS
 
 if TYPE_CHECKING:
     import subprocess
 
-    from ..limits import Limits, Usage
     from ..identity import Identity
+    from ..limits import Limits, Usage
+    from .capabilities import Limiter
 
 ENV_TASK = "CGTURN_TASK"
 ENV_TURN = "CGTURN_TURN"
@@ -26,10 +27,6 @@ ENV_TURN = "CGTURN_TURN"
 # host with the same task and turn names never take each other's processes. Its value is opaque.
 ENV_SCOPE = "CGTURN_SCOPE"
 
-# Popen keyword arguments that cgturn cannot honour without weakening ownership, and what to do instead.
-_REFUSED_KWARGS = {
-    "executable": "put the program in argv[0]",
-}
 # Popen would drop privileges before the process joins its turn (only a privileged process may write
 # cgroup.procs there): the backends drop them after the join instead (isolation.py).
 IDENTITY_KWARGS = ("user", "group", "extra_groups")
@@ -38,9 +35,12 @@ Member = tuple[int, int]  # (pid, start time in clock ticks since boot)
 
 
 class Backend(abc.ABC):
-    """One way of owning processes. Methods take turn records; they never decide policy."""
+    """One way of owning processes: what every backend does. Methods take turn records; they never
+    decide policy. Optional capabilities are objects (`capabilities.py`), None where absent."""
 
     name: str = "?"
+    # Limits and figures (cgroups only); None on a backend that cannot enforce limits.
+    limiter: "Limiter | None"
 
     @property
     @abc.abstractmethod
@@ -52,9 +52,17 @@ class Backend(abc.ABC):
     def location(self) -> str:
         """What to show users as where turns live (managed root, or the registry database)."""
 
+    @abc.abstractmethod
     def env_for(self, record: TurnRecord) -> dict[str, str]:
         """The environment that ties a process (and what it leaves behind) to its turn."""
-        return {ENV_TASK: record.task_key, ENV_TURN: record.turn_key, ENV_SCOPE: self.scope}
+
+    @abc.abstractmethod
+    def ensure_root(self) -> bool:
+        """Create where turns live, if that is a thing to create; True if this call created it."""
+
+    @abc.abstractmethod
+    def remove_root(self) -> bool:
+        """Remove where turns live once no turn is left; True when it is gone (or nothing to remove)."""
 
     # --- records and state ------------------------------------------------------------------------
 
@@ -158,110 +166,41 @@ class Backend(abc.ABC):
     def task_keys(self) -> list[str]:
         """Keys of every task known here, with or without turns (reap removes the empty ones)."""
 
-    # --- limits (a backend without cgroups has none) --------------------------------------------------
-
-    def _no_limits(self) -> LimitsUnavailable:
-        return LimitsUnavailable(f"the {self.name} backend cannot enforce limits (they need cgroups)")
-
-    def set_turn_limits(self, record: TurnRecord, limits: "Limits") -> TurnRecord:
-        """Change the limits set on a turn (None fields unchanged); returns its record after."""
-        raise self._no_limits()
-
-    def set_task_limits(self, task_key: str, limits: "Limits") -> None:
-        """Change the budget of a task: all its turns together."""
-        raise self._no_limits()
-
-    def set_root_limits(self, limits: "Limits") -> None:
-        """Change the budget of the managed root: all turns together."""
-        raise self._no_limits()
-
-    def task_limits(self, task_key: str) -> "Limits":
-        from ..limits import Limits
-        return Limits()
-
-    def root_limits(self) -> "Limits":
-        from ..limits import Limits
-        return Limits()
-
-    def turn_usage(self, record: TurnRecord) -> "Usage":
-        """What the turn used, and which limits the kernel enforced on it."""
-        from ..limits import Usage
-        cpu, _ = self.usage(record, [pid for pid, _ in self.members(record)])
-        return Usage(cpu_seconds=cpu)
-
-    def limit_counters(self, record: TurnRecord) -> "Usage":
-        """The counters of limits the kernel enforced on the turn (`oom_kills`, `pids_max_hits`);
-        other figures may be left at their defaults."""
-        return self.turn_usage(record)
-
-    def task_usage(self, task_key: str) -> "Usage":
-        from ..limits import Usage
-        return Usage()
-
-    def root_usage(self) -> "Usage":
-        from ..limits import Usage
-        return Usage()
-
-    def turn_pressure(self, record: TurnRecord) -> dict | None:
-        """{resource: {some_avg10, full_avg10} or None} for cpu, memory, io; None without cgroups."""
-        return None
-
-    def turn_frozen(self, record: TurnRecord) -> bool:
-        """True while the turn is frozen (cgroup.freeze)."""
-        return False
-
-    def limits_report(self) -> dict:
-        """`{layout, available, problems}` for `cgturn doctor`."""
-        return {"layout": None, "available": [], "problems": [str(self._no_limits())]}
-
-    def unthrottle(self, record: TurnRecord) -> None:
-        """Lift the turn's own CPU limit once its processes are SIGKILLed: nothing useful runs any
-        more, and exiting 500 processes within a 1-core quota takes twice as long as on 2 cores."""
-
-    def sweep_v1_dirs(self) -> list[str]:
-        """Remove leftover v1 directories of turns that are gone; [] where there are none."""
-        return []
-
+    @abc.abstractmethod
     def strays(self) -> list[tuple[str, int]]:
-        """(where, pid) of processes inside the managed territory but in no turn; [] by default."""
-        return []
+        """(where, pid) of processes inside the managed territory but in no turn."""
 
+    @abc.abstractmethod
     def kill_stray(self, where: str, pid: int) -> bool:
         """SIGKILL a stray found by `strays` if it is still there; True if it was signalled."""
-        return False
-
-    def ensure_root(self) -> bool:
-        """Create where turns live, if that is a thing to create; True if this call created it."""
-        return False
-
-    def remove_root(self) -> bool:
-        """Remove where turns live once no turn is left; True when it is gone (or nothing to remove)."""
-        return True
-
-    def cgroup_dir(self, record: TurnRecord) -> str | None:
-        """The turn's cgroup directory, where the backend has one (observability: ports, cpu)."""
-        return None
 
     # --- observation --------------------------------------------------------------------------------
 
-    def usage(self, record: TurnRecord, pids: list[int]) -> tuple[float, int | None]:
-        """(cpu seconds, memory bytes or None) used by the turn; backends refine this."""
-        return 0.0, None
+    @abc.abstractmethod
+    def turn_usage(self, record: TurnRecord) -> "Usage":
+        """What the turn used, and which limits the kernel enforced on it."""
 
+    @abc.abstractmethod
+    def turn_frozen(self, record: TurnRecord) -> bool:
+        """True while the kernel holds the turn frozen (cgroup.freeze); the record's `frozen_by`
+        says who asked for a freeze."""
+
+    @abc.abstractmethod
+    def cgroup_dir(self, record: TurnRecord) -> str | None:
+        """The turn's cgroup directory, where the backend has one (observability: ports, cpu)."""
+
+    @abc.abstractmethod
     def views(self, task_key: str | None = None) -> list[TurnView]:
-        """Every existing turn (of one task) with its live pids and usage: what `ps` lists.
+        """Every existing turn (of one task) with its live pids and usage: what `ps` lists."""
 
-        Composed from records/members/usage here; a backend may answer it in one pass instead.
-        """
-        out = []
-        for rec in self.records(task_key):
-            pids = sorted(pid for pid, _ in self.members(rec))
-            cpu, mem = self.usage(rec, pids)
-            out.append(TurnView(rec, pids, cpu, mem, path=self.cgroup_dir(rec) or self.location))
-        return out
-
+    @abc.abstractmethod
     def close(self) -> None:
-        """Release resources (threads, database connections)."""
+        """Release resources (threads, database connections, fds)."""
+
+
+def turn_environment(record: TurnRecord, scope: str) -> dict[str, str]:
+    """The CGTURN_* entries that tie a process of `record`'s turn to it and to the manager `scope`."""
+    return {ENV_TASK: record.task_key, ENV_TURN: record.turn_key, ENV_SCOPE: scope}
 
 
 def scope_tag(env: dict[str, str] | None) -> tuple[str, str] | None:
@@ -308,7 +247,7 @@ def normalize_spawn(argv, popen_kwargs: dict) -> tuple[list[str], dict]:
     if not popen_kwargs and type(argv) is list and argv and all(type(a) is str for a in argv):
         return list(argv), {}  # the usual request: nothing to refuse or convert
     kwargs = dict(popen_kwargs)
-    for name, instead in _REFUSED_KWARGS.items():
+    for name, instead in REFUSED_OPTIONS.items():
         if kwargs.get(name) is not None:
             raise ValueError(f"Turn.spawn does not support {name}=; {instead}")
         kwargs.pop(name, None)

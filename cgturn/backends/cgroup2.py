@@ -1,19 +1,14 @@
 """The cgroup v2 backend: every turn is a child cgroup `<root>/<task>/<turn>`; membership is ownership.
 
-Spawn: Popen starts a `/bin/sh` shim that blocks reading a pipe of its own (a "gate", see gates.py);
-the parent writes the shim's pid into the turn's cgroup.procs, then writes "go"; the shim execs the
-target. If the parent dies first, the shim reads EOF (or finds no gate) and exits 125. So the process
-is in the turn before the target runs one instruction and before `spawn` returns, Popen keeps its
-vfork path (thread-safe: no Python code between fork and exec), and the parent never waits for the
-shell to start. preexec_fn would force fork and is unsafe with threads;
-spawn-then-move without a gate missed 1-9 % of children here; clone3(CLONE_INTO_CGROUP) from ctypes
-is unsafe with threads.
+Spawn: straight into the turn's cgroup where a native path honours the request, else through a gated
+shim (spawn_paths.py, shim.py, spawn_options.py: the process is in the turn before the target runs).
 
-Kill paths are in cgroup2_killing.py, limits and figures in cgroup2_governance.py (mixins of the one
-backend class), the listing hot path in cgroup2_views.py, where controllers live in cgroup2_limits.py.
-
-Why one module of ~460 lines: creating a turn, its records and state changes, and spawning into it
-share the turn-directory lock and the checks that make a spawn race-free against an abandon.
+The backend composes small objects with one job each: the killer (cgroup2_killer.py: signalling,
+cgroup.kill and its fallback, strays), the limiter (cgroup2_limiter.py, `backend.limiter`: limits and
+figures), the placement of processes (cgroup2_placement.py: which turn a pid is in, enter/leave) and
+the turns' isolation (cgroup2_isolation.py: sealing checks, network namespaces). The listing hot path
+is cgroup2_views.py; where the controllers are is cgroup2_limits.py's. What stays here: creating a
+turn, its records and state changes under the turn-directory lock, and what a spawn needs.
 """
 from __future__ import annotations
 
@@ -23,35 +18,31 @@ import os
 import threading
 from typing import TYPE_CHECKING, Iterable
 
-from ..errors import AccessDenied, IsolationUnavailable, NoSuchTurn, TurnExists, UnsafeOperation
+from ..errors import AccessDenied, NoSuchTurn, TurnExists
 from ..kernel import procfs
 from ..kernel.cgroupfs import Cgroup
-from ..limits import NO_LIMITS, Limits
-from ..kernel.discovery import cgroup_mount_points, own_cgroup_dir
+from ..limits import NO_LIMITS, Limits, Usage
 from ..model import COMPLETED, CORRUPT, RUNNING, TurnRecord, TurnView
-from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag
-from . import cgroup2_views, isolation
-from .cgroup2_governance import GovernanceMixin
-from .cgroup2_killing import KillingMixin
+from .base import Backend, Member, turn_environment
+from . import cgroup2_views
+from .cgroup2_isolation import TurnIsolation
+from .cgroup2_killer import CgroupKiller
+from .cgroup2_limiter import CgroupLimiter, limit_new_turn
 from .cgroup2_limits import Layout
-from .metadata import XATTR_KEY, MetadataStore
+from .cgroup2_placement import Placement
+from .metadata import MetadataStore
 
 if TYPE_CHECKING:
     import subprocess
     import types
 
     from .gates import SpawnGates
+    from .spawn_options import SpawnTarget
 
 log = logging.getLogger("cgturn")
 # How long a state change waits for the turn's lock before going on without it (seconds).
 TRANSITION_LOCK_WAIT = 2.0
-
-# `$0` is the gate (the path of a pipe's read end); $1-$3 the turn's CGTURN_TASK, CGTURN_TURN and
-# CGTURN_SCOPE; the rest the program and its arguments. Anything but "go" (EOF when the parent gave up
-# or died, or no such fd) exits 125 without running the target, quietly: a parent that died is not the
-# target's error. Exporting in the shim spares Popen a copy of the whole environment.
-SPAWN_SHIM = (f'read go 2>/dev/null < "$0" && [ "$go" = go ] || exit 125; '
-              f'export {ENV_TASK}="$1" {ENV_TURN}="$2" {ENV_SCOPE}="$3"; shift 3; exec "$@"')
+SPAWN_TARGETS_MAX = 1024  # turns whose SpawnTarget a backend keeps
 
 
 def _spawn_paths():
@@ -68,30 +59,28 @@ def _spawn_paths():
 _SPAWN_PATHS: "types.ModuleType | None" = None
 
 
-class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
+class Cgroup2Backend(Backend):
     name = "cgroup2"
 
     def __init__(self, root: str, mount: str, state_dir: str, fsroot: str = "/", use_xattrs: bool = True,
                  cgroup_kill: bool | None = None):
         self.root = Cgroup(os.path.normpath(root))
-        self.mount, self.fsroot = mount, fsroot
+        self.mount = mount
+        self.placement = Placement(self.root, mount, fsroot)
         self.state_dir = state_dir
         self.meta = MetadataStore(state_dir, use_xattrs)
-        # Decided once (discovery looked without writing; None = not known yet, so try it), and
-        # switched off on the first refusal (trio-style capability flag); tests set it to force the
-        # freeze fallback.
-        self.cgroup_kill_works = cgroup_kill is not False
+        # cgroup_kill: decided once (discovery looked without writing; None = not known yet, so try
+        # it), and switched off on the first refusal (trio-style capability flag,
+        # `killer.cgroup_kill_works`); tests set it to force the freeze fallback.
+        self.killer = CgroupKiller(self.root, self.placement.path_on_mount, cgroup_kill)
+        self.limiter = CgroupLimiter(self.root, lambda: self.layout, self.ensure_root, self.records, self.transition)
         self._gates: SpawnGates | None = None
         self._gates_lock = threading.Lock()
-        self._home: str | None = None  # where the caller was before its first enter()
-        self._home_v1: dict[str, str] = {}  # and in the v1 hierarchies
         self._layout: Layout | None = None
         self._layout_recorded = False
-        # fds holding the network namespaces of turns begun here with network="none" (kernel/netns.py)
-        self._netns: dict[tuple[str, str], int] = {}
-        self._netns_lock = threading.Lock()
-        # What the native spawn path keeps per turn (spawn_paths._prepared)
-        self.spawn_prepared: dict = {}
+        self.isolation = TurnIsolation(self.load, self.killer.under)  # sealing, network namespaces
+        # (task_key, turn_key, v1_dirs) -> the turn's SpawnTarget (fixed for the turn's life)
+        self._spawn_targets: dict[tuple[str, str, bool], SpawnTarget] = {}
 
     @property
     def gates(self) -> "SpawnGates":
@@ -118,13 +107,16 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
     def _cg(self, record: TurnRecord) -> Cgroup:
         return self.turn_cgroup(record.task_key, record.turn_key)
 
+    def env_for(self, record: TurnRecord) -> dict[str, str]:
+        return turn_environment(record, self.scope)
+
     # --- records and state ------------------------------------------------------------------------
 
     @property
     def layout(self) -> Layout:
         """Where memory, pids and cpu are for this managed root (see cgroup2_limits)."""
         if self._layout is None:
-            self._layout = Layout(self.root, self._path_on_mount(procfs.cgroup_of("self") or ""))
+            self._layout = Layout(self.root, self.placement.path_on_mount(procfs.cgroup_of("self") or ""))
         return self._layout
 
     def ensure_root(self) -> bool:
@@ -146,7 +138,7 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
     def create_turn(self, record: TurnRecord, limits: Limits | None = None) -> None:
         limits = limits or NO_LIMITS
         self.layout.check(limits)  # LimitsUnavailable before anything is made
-        netns = self._isolation_for(record)  # IsolationUnavailable, before anything is made
+        netns = self.isolation.prepare(record)  # IsolationUnavailable, before anything is made
         try:
             self._create_turn(record, limits)
         except BaseException:
@@ -154,24 +146,7 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
                 os.close(netns)
             raise
         if netns is not None:
-            with self._netns_lock:
-                self._netns[(record.task_key, record.turn_key)] = netns
-
-    def _isolation_for(self, record: TurnRecord) -> int | None:
-        """Check that the turn's isolation can be given here, and make its network namespace (an fd
-        holding it) when it asks for one; nothing else is made."""
-        self._release_netns()
-        if record.sealed:
-            isolation.check_seal()
-        if record.network == "host":
-            return None
-        isolation.helper(isolation.NSENTER)
-        from ..kernel import netns
-
-        try:
-            return netns.new_loopback_only()
-        except OSError as err:
-            raise IsolationUnavailable(f"the kernel refused a network namespace: {err}") from err
+            self.isolation.keep(record, netns)
 
     def _create_turn(self, record: TurnRecord, limits: Limits) -> None:
         self.ensure_root()
@@ -190,7 +165,7 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
                     raise TurnExists(f"turn {record.turn_id!r} already exists in task {record.task_id!r}") from None
                 continue
             try:
-                self._limit_new_turn(record, cg, task, limits, new_task)
+                limit_new_turn(self.layout, self.root, record, cg, task, limits, new_task)
                 self.meta.save(cg, record)
             except BaseException:
                 cg.remove_tree(timeout=1.0)  # nothing is left behind by a turn that could not be made
@@ -235,8 +210,8 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
             if rec is None or (when is not None and not when(rec)) or not rec.advance(allowed_from, to_state, updates):
                 return False, rec
             self.meta.save(cg, rec)
-        if to_state != RUNNING and (task_key, turn_key) in self._netns:
-            self._release_netns()
+        if to_state != RUNNING and self.isolation.holds(task_key, turn_key):
+            self.isolation.release_ended()
         return True, rec
 
     @contextlib.contextmanager
@@ -252,103 +227,27 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
 
     def spawn(self, record, argv, popen_kwargs) -> "subprocess.Popen":
         spawn_paths = _spawn_paths()
-        # Straight into the cgroup when the native path can honour the request (spawn_paths.py);
-        # else, or when it hands the spawn back, the shim below.
-        way = spawn_paths.choose(record, popen_kwargs)
-        if way != spawn_paths.SHIM:
-            proc = spawn_paths.spawn_native(self, record, way, argv, popen_kwargs)
-            if proc is not None:
-                return proc
-        import subprocess
+        task, turn = record.task_key, record.turn_key
+        hooks = spawn_paths.ShimHooks(gates=lambda: self.gates, join_v1=lambda pid: self.layout.join_v1(pid, task, turn),
+                                      network_fd=lambda: self.isolation.network_fd(record, self._cg(record)))
+        return spawn_paths.spawn(record, self._spawn_target(record), self.meta, hooks, argv, popen_kwargs)
 
-        argv, program, kwargs, identity = prepare_spawn(argv, popen_kwargs)
-        # Run by the shim after "go", in this order: inside the turn, as the caller, before the target.
-        steps = isolation.drop_privileges(identity, record.sealed)
-        if record.sealed:  # read per spawn: the host may have mounted a hierarchy since
-            steps = isolation.seal(cgroup_mount_points()) + steps
-        netns = None
-        if record.network != "host":
-            netns = self._spawn_netns(record)
-            steps = isolation.enter_network(netns) + steps
-            kwargs["pass_fds"] = (*kwargs.get("pass_fds", ()), netns)
-        gate = self.gates.open()
-        shim = ["/bin/sh", "-c", SPAWN_SHIM, gate.path, record.task_key, record.turn_key, self.scope]
-        if gate.pass_fds:
-            kwargs["pass_fds"] = (*kwargs.get("pass_fds", ()), *gate.pass_fds)
-        try:
-            proc = subprocess.Popen([*shim, *steps, program, *argv[1:]], **kwargs)
-        except BaseException:
-            self.gates.discard(gate)
-            raise
-        finally:
-            if netns is not None:
-                os.close(netns)  # the shim holds its own copy
-        cg = self._cg(record)
-        try:
-            # Our unreaped child, blocked on its gate: its pid cannot have been recycled.
-            cg.move_in(proc.pid)
-            # Checked after the move: an abandon marks the turn before it kills, so either we see
-            # the mark here, or its kill comes after our move and takes the shim with it.
-            current = self.meta.load(cg)
-            joined = current is not None and current.state == RUNNING
-            if current is not None and joined and current.v1_dirs:  # the turn's v1 limits hold before the target runs too
-                self.layout.join_v1(proc.pid, record.task_key, record.turn_key)
-        except FileNotFoundError:
-            joined = False
-        except BaseException:
-            self._abort_spawn(gate, proc)
-            raise
-        if not joined:
-            self._abort_spawn(gate, proc)
-            raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} ended while spawning")
-        self.gates.release(gate, proc.pid)
-        return proc
-
-    def _spawn_netns(self, record: TurnRecord) -> int:
-        """A new fd of the turn's network namespace: a copy of the one held here since begin_turn, or
-        else that of a live member (another process spawning into the turn); the caller closes it.
-        IsolationUnavailable when neither exists."""
-        with self._netns_lock:  # a copy: the held fd may be closed by a concurrent end of the turn
-            held = self._netns.get((record.task_key, record.turn_key))
-            if held is not None:
-                return os.dup(held)  # O_CLOEXEC unset: the Popen below passes it on (pass_fds)
-        from ..kernel import netns
-
-        cg = self._cg(record)
-        for pid in cg.procs_recursive():
-            try:
-                fd = netns.open_of(pid)
-            except OSError:
-                continue
-            # Opened, then checked: a pid recycled meanwhile is no longer in the turn.
-            if self._under(cg, procfs.cgroup_of(pid) or "") and not netns.same_as_ours(fd):
-                return fd
-            os.close(fd)
-        raise IsolationUnavailable(f"turn {record.turn_id!r} of task {record.task_id!r} has no network "
-                                   "namespace left to join (its owner's is closed and no process of it lives)")
-
-    def _release_netns(self) -> None:
-        """Close the namespace fds of turns no longer running (their processes keep the namespace
-        alive while they live; a turn that is gone leaves nothing behind)."""
-        with self._netns_lock:
-            for key in list(self._netns):
-                rec = self.load(*key)
-                if rec is None or rec.state != RUNNING:
-                    os.close(self._netns.pop(key))
-
-    def _abort_spawn(self, gate, proc: "subprocess.Popen") -> None:
-        """Close the gate without "go" (the shim reads EOF and exits 125 without running the target)."""
-        self.gates.discard(gate)
-        proc.kill()
-        proc.wait()
+    def _spawn_target(self, record: TurnRecord) -> "SpawnTarget":
+        key = (record.task_key, record.turn_key, record.v1_dirs)
+        found = self._spawn_targets.get(key)
+        if found is None:
+            v1 = [f"{d}/cgroup.procs" for d in self.layout.v1_dirs(record.task_key, record.turn_key).values()] \
+                if record.v1_dirs else []
+            found = _spawn_paths().target(self._cg(record).path, v1, self.env_for(record))
+            if len(self._spawn_targets) >= SPAWN_TARGETS_MAX:
+                self._spawn_targets.clear()
+            self._spawn_targets[key] = found
+        return found
 
     def close(self) -> None:
         if self._gates is not None:  # never made by a read-only user: nothing to close
             self._gates.close()
-        with self._netns_lock:
-            for fd in self._netns.values():
-                os.close(fd)
-            self._netns.clear()
+        self.isolation.close()
 
     def adopt(self, record, pid) -> None:
         try:
@@ -370,50 +269,23 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
         return out
 
     def turn_of(self, pid: int) -> tuple[str, str] | None:
-        path = self._path_on_mount(procfs.cgroup_of(pid) or "")
-        if path is None:
-            return None
-        root = self.root.path
-        if path.startswith(root + "/"):
-            return root, path[len(root) + 1:].split("/", 1)[0]
-        # Another manager's turn carries a record on its directory (or an ancestor of it).
-        while path.startswith(self.mount + "/"):
-            if Cgroup(path).get_xattr(XATTR_KEY) is not None:
-                task = os.path.dirname(path)
-                return os.path.dirname(task), os.path.basename(task)
-            path = os.path.dirname(path)
-        tag = scope_tag(procfs.environ(pid))
-        return tag if tag is not None and tag[0] != self.scope else None
+        return self.placement.turn_of(pid)
 
     def enter(self, record) -> None:
-        if self._home is None:
-            self._home = self._path_on_mount(procfs.cgroup_of("self") or "")
-            if self._home is None:
-                raise UnsafeOperation("cannot enter a turn: the caller's own cgroup is not visible")
-            self._home_v1 = self.layout.own_v1_dirs()
         try:
-            self._cg(record).move_in(os.getpid())
+            self.placement.enter(self._cg(record), self.layout.own_v1_dirs)
             if record.v1_dirs:
                 self.layout.join_v1(os.getpid(), record.task_key, record.turn_key)
         except FileNotFoundError:
             raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} no longer exists") from None
 
     def leave(self) -> None:
-        if self._home is not None:
-            Cgroup(self._home).move_in(os.getpid())  # the one move outside the managed root
-        for path in self._home_v1.values():
-            Cgroup(path).move_in(os.getpid())  # and back to its own v1 cgroups
+        self.placement.leave()
 
     def contains_caller(self, record) -> bool:
-        """True when the turn holds the caller, one of its ancestors or PID 1: what `_guard` refuses
+        """True when the turn holds the caller, one of its ancestors or PID 1: what the killer refuses
         to kill, asked before an abandon marks the turn, so a refused abandon changes nothing."""
-        return self._protected_inside(self._cg(record)) is not None
-
-    def _path_on_mount(self, rel: str) -> str | None:
-        """Where a /proc/PID/cgroup path lies on our mount; None when outside our view."""
-        if not rel:
-            return None
-        return own_cgroup_dir(self.mount, self.fsroot, f"0::{rel}\n")
+        return self.killer.protected_inside(self._cg(record)) is not None
 
     def wait_empty(self, record, timeout) -> bool:
         return self._cg(record).wait_unpopulated(timeout)
@@ -455,5 +327,33 @@ class Cgroup2Backend(GovernanceMixin, KillingMixin, Backend):
                 view.memory_bytes = self.layout.v1_memory_bytes(view.record.task_key, view.record.turn_key)
         return out
 
-    def usage(self, record, pids):
-        return cgroup2_views.UsageReader().read(None, self._cg(record).path)
+    # A turn has v1 directories only when its record says so (`v1_dirs`, set under its lock when they
+    # are made): a turn without limits opens no v1 file.
+    def turn_usage(self, record) -> Usage:
+        return self.layout.usage(self._cg(record).path, record.task_key, record.turn_key, v1=record.v1_dirs)
+
+    def turn_frozen(self, record) -> bool:
+        return self._cg(record).events().get("frozen", 0) == 1
+
+    # --- killing: the killer's, on the turn's cgroup ---------------------------------------------------
+
+    def signal_members(self, record, sig) -> list[int]:
+        return self.killer.signal(self._cg(record), sig)
+
+    def kill_members(self, record) -> list[int]:
+        return self.killer.kill(self._cg(record))
+
+    def freeze_members(self, record, frozen: bool) -> list[int]:
+        try:
+            return self.killer.freeze(self._cg(record), frozen)
+        except FileNotFoundError:
+            raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} no longer exists") from None
+
+    def kill_where(self, record, doomed) -> list[int]:
+        return self.killer.kill_where(self._cg(record), doomed)
+
+    def strays(self) -> list[tuple[str, int]]:
+        return self.killer.strays()
+
+    def kill_stray(self, where: str, pid: int) -> bool:
+        return self.killer.kill_stray(where, pid)

@@ -1,7 +1,7 @@
 """What a spawn runs between joining its turn and its target: util-linux helpers that drop privileges
 (and, for a turn that asks, enter its network namespace and seal it), chained by exec.
 
-The shim (cgroup2.SPAWN_SHIM) execs `"$@"` once the parent has moved it into its turn; the backend
+The shim (shim.SPAWN_SHIM) execs `"$@"` once the parent has moved it into its turn; the backend
 puts these helpers in front of the target there, so every step runs inside the turn, as the caller,
 before the target's first instruction: the process joins its turn with the caller's privileges (only
 those may write cgroup.procs), then `setpriv(1)` drops them and execs the target. Popen's own

@@ -22,7 +22,9 @@ after the task's next record write.)
 A record is a note, the directory is the truth: a record is used only if it agrees with the
 directory it was read from (its ids encode to the directory's names, its fields have their types).
 A missing, unreadable or disagreeing record reads as a CORRUPT turn of that directory — listed,
-and killed by any abandon — never as the turn it names.
+and killed by any abandon — never as the turn it names. Records carry their format version
+(record_format.py): one written before versions existed reads as format 1, one newer than this code
+reads as CORRUPT with a `problem` naming the version.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import time
 from .. import ids
 from ..kernel.cgroupfs import Cgroup, get_xattr
 from ..model import CORRUPT, NETWORKS, STATES, TurnRecord, corrupt_record
+from .record_format import FORMAT_KEY, RECORD_FORMAT, format_problem
 
 log = logging.getLogger("cgturn")
 
@@ -98,7 +101,7 @@ class MetadataStore:
                     return None, f"record unreadable: {os.strerror(err.errno or 0)}"
                 raw = None
             if raw is not None:
-                return verified(_decode(raw), cg.path)
+                return verified(*_decode(raw), path=cg.path)
         try:
             with open(self._file(cg), "rb") as f:
                 data = json.loads(f.read())
@@ -108,7 +111,7 @@ class MetadataStore:
             return None, f"record file unreadable: {err}"
         if not isinstance(data, dict) or data.pop("_inode", None) != _inode(cg):
             return None, NO_RECORD  # a file left behind by an earlier cgroup of the same name
-        return verified(_from_json(data), cg.path)
+        return verified(*_from_json(data), path=cg.path)
 
     def load_task(self, task_path: str, entries: list[tuple[str, int]]) -> dict[str, TurnRecord]:
         """Records of the turns `entries` ((name, inode) pairs) of one task directory, by name.
@@ -172,7 +175,7 @@ class MetadataStore:
 
     def save(self, cg: Cgroup, record: TurnRecord) -> None:
         """Store `record` on `cg`: as its xattr, else (refused for this write) as a state-dir file."""
-        raw = _ENCODER.encode(record.to_json()).encode("utf-8", "surrogateescape")
+        raw = _ENCODER.encode({FORMAT_KEY: RECORD_FORMAT, **record.to_json()}).encode("utf-8", "surrogateescape")
         if self.use_xattrs:
             try:
                 cg.set_xattr(XATTR_KEY, raw)
@@ -196,8 +199,7 @@ class MetadataStore:
                     self._bump_generation(cg)
         path = self._file(cg)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        data = record.to_json()
-        data["_inode"] = _inode(cg)
+        data = {FORMAT_KEY: RECORD_FORMAT, **record.to_json(), "_inode": _inode(cg)}
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:
             json.dump(data, f, ensure_ascii=False)
@@ -233,7 +235,7 @@ def _new_token() -> bytes:
 def record_from_xattr(raw: bytes, path: str) -> TurnRecord | None:
     """The record in the `user.cgturn` value `raw` read from the turn directory at `path`, if it is
     that directory's record (as `MetadataStore.load` verifies it); None otherwise."""
-    return verified(_decode(raw), path)[0]
+    return verified(*_decode(raw), path=path)[0]
 
 
 _DECODER = json.JSONDecoder()
@@ -242,21 +244,34 @@ _STR_FIELDS = ("task_id", "turn_id", "task_key", "turn_key", "state")
 _INT_FIELDS = ("owner_pid", "owner_start", "killer_pid", "killer_start")
 
 
-def _decode(raw: bytes) -> TurnRecord | None:
-    """The record in an xattr value; None if it is not one. (raw_decode skips json.loads' wrappers,
-    a fifth of the Python cost of listing 1000 turns.)"""
+_UNREADABLE = "record unreadable"
+
+
+def _decode(raw: bytes) -> tuple[TurnRecord | None, str]:
+    """(the record in an xattr value, "") or (None, why it is not one). (raw_decode skips json.loads'
+    wrappers, a fifth of the Python cost of listing 1000 turns.)"""
     try:
         text = raw.decode()
         data, end = _DECODER.raw_decode(text)
     except (ValueError, RecursionError):
-        return None
+        return None, _UNREADABLE
     if end != len(text) or not isinstance(data, dict):
-        return None
+        return None, _UNREADABLE
     return _from_json(data)
 
 
-def _from_json(data: dict) -> TurnRecord | None:
-    """A TurnRecord from stored JSON whose fields have their types; None otherwise."""
+def _from_json(data: dict) -> tuple[TurnRecord | None, str]:
+    """(a TurnRecord from stored JSON of a format this code reads, whose fields have their types, "")
+    or (None, why not)."""
+    problem = format_problem(data.pop(FORMAT_KEY, None))
+    if problem is not None:
+        return None, problem
+    rec = _typed(data)
+    return (rec, "") if rec is not None else (None, _UNREADABLE)
+
+
+def _typed(data: dict) -> TurnRecord | None:
+    """A TurnRecord from stored fields that have their types; None otherwise."""
     try:
         rec = TurnRecord.from_json(data)
     except TypeError:
@@ -283,14 +298,15 @@ def _from_json(data: dict) -> TurnRecord | None:
     return rec
 
 
-def verified(rec: TurnRecord | None, path: str) -> tuple[TurnRecord | None, str]:
-    """(rec, "") when `rec` is the record of the turn directory at `path`; (None, why) otherwise.
+def verified(rec: TurnRecord | None, problem: str = _UNREADABLE, *, path: str) -> tuple[TurnRecord | None, str]:
+    """(rec, "") when `rec` is the record of the turn directory at `path`; (None, why) otherwise
+    (`problem`, why there is no record, when `rec` is None).
 
     The ids must be valid and encode to the directory's names, and the stored keys must be those
     names: a record copied from another turn's directory names that turn, not this one.
     """
     if rec is None:
-        return None, "record unreadable"
+        return None, problem or _UNREADABLE
     turn_key = os.path.basename(path)
     task_key = os.path.basename(os.path.dirname(path))
     try:

@@ -10,20 +10,15 @@ any process on the host (owner, sentinel, CLI) shares. A turn owns:
   CGTURN_TURN): double-forked/setsid daemons that reparented away keep it, so they are found
   wherever they went — and their descendants.
 
-PID 1, the caller and its ancestors are never members and never signalled.
-
-There is no kernel-side container, so kills are best effort against forks: every member is held by
-a pidfd and SIGSTOPped, membership is re-collected until a pass finds nothing new, then SIGKILL (a
-fork racing the stop either fails with a pending signal or hands the stop to the child; see
-copy_process in kernel/fork.c).
+PID 1, the caller and its ancestors are never members and never signalled. Membership (one pass over
+/proc) is registry_members.py; stopping and killing members (SIGSTOP passes, then SIGKILL: best
+effort against forks, there is no kernel-side container) is registry_killer.py.
 
 The backend makes its process a child subreaper (prctl(2) PR_SET_CHILD_SUBREAPER, 3.4+), so orphans
-of turn processes reparent to it instead of to PID 1, and a daemon thread reaps the orphans it
-attributed to this registry by their environment while they were alive. It never calls
-waitpid(-1) and never waits for a process this backend spawned (a Popen owns that exit status).
-
-Why one module of ~470 lines: membership (the /proc snapshot), freezing and killing are one
-algorithm over the same snapshot; the database and the orphan reaper are modules of their own.
+of turn processes reparent to it instead of to PID 1, and a daemon thread collects the orphans it
+attributed to this registry by their environment while they were alive (orphans.py). It never calls
+waitpid(-1) and never waits for a process this backend spawned (a Popen owns that exit status). The
+database is registry_db.py.
 """
 from __future__ import annotations
 
@@ -31,68 +26,31 @@ import contextlib
 import json
 import logging
 import os
-import select
-import signal
 import subprocess
 import time
-from typing import Callable, Iterable
+from typing import Iterable
 
-from ..errors import AccessDenied, IsolationUnavailable, NoSuchProcess, NoSuchTurn, TurnExists
-from ..logfields import turn_fields
+from ..errors import IsolationUnavailable, NoSuchProcess, NoSuchTurn, TurnExists
 from ..kernel import procfs
-from ..model import COMPLETED, RUNNING, TurnRecord
+from ..limits import Usage
+from ..model import COMPLETED, RUNNING, TurnRecord, TurnView
 from . import isolation
-from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag, turn_tag, with_environment
-from .reaper import SPAWN_LOCK, OrphanReaper, acquire_subreaper, note_spawned, release_subreaper
+from .base import (ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag, turn_environment,
+                   with_environment)
+from .capabilities import no_limits_error
+from .orphans import SPAWN_LOCK, OrphanCollector, acquire_subreaper, note_spawned, release_subreaper
 from .registry_db import RegistryDatabase
+from .registry_killer import RegistryKiller
+from .registry_members import Snapshot, collect, usage, wait_any_exit
 
 log = logging.getLogger("cgturn")
 
 DB_NAME = "registry.sqlite3"
-# Rounds of "collect members, SIGSTOP the new ones" before the final SIGKILL; a fork storm is
-# bounded by it (each round stops a generation, and a stopped process cannot fork).
-FREEZE_PASSES = 50
 # How often wait_empty re-collects members even when no pidfd fired: an escaper found only by its
 # environment, or a child forked since the last look, has no pidfd in the poll set yet.
 RESCAN_INTERVAL = 0.02
 # pidfds polled at once by wait_empty; the periodic re-scan covers the rest.
 MAX_POLL_FDS = 256
-
-
-class _Snapshot:
-    """One pass over /proc: every process's stat, children by parent, and turn environments.
-
-    Built once per membership query, so a process is judged against one consistent ppid map.
-    """
-
-    def __init__(self, scope: str):
-        self.stats: dict[int, procfs.ProcStat] = {}
-        self.children: dict[int, list[int]] = {}
-        # pid -> (task_key, turn_key) for processes whose environment names `scope`
-        self.tagged: dict[int, tuple[str, str]] = {}
-        for pid in procfs.all_pids():
-            try:
-                st = procfs.stat(pid)
-            except AccessDenied:
-                continue  # not ours to look at, so never a member (hidepid)
-            if st is None:
-                continue
-            self.stats[pid] = st
-            self.children.setdefault(st.ppid, []).append(pid)
-            if pid == 2 or st.ppid == 2 or st.state in ("Z", "X"):
-                continue  # kernel threads have no environment; a zombie's is gone
-            tag = turn_tag(procfs.environ(pid), scope)
-            if tag is not None:
-                self.tagged[pid] = tag
-
-    def live(self, pid: int, started: int | None = None) -> bool:
-        """True if `pid` is in the snapshot, not a zombie, and (when given) started at `started`."""
-        st = self.stats.get(pid)
-        return (st is not None and st.state not in ("Z", "X")
-                and (started is None or st.start_time == started))
-
-    def member(self, pid: int) -> Member:
-        return pid, self.stats[pid].start_time
 
 
 # --- the backend ----------------------------------------------------------------------------------
@@ -112,22 +70,25 @@ class RegistryBackend(Backend):
     """
 
     name = "registry"
+    limiter = None  # limits need cgroups
 
     def __init__(self, state_dir: str, subreaper: bool = True):
         # Nothing is created here: the database (and the state directory) come with the first write.
         self.db_path = os.path.abspath(os.path.join(state_dir, DB_NAME))
         self.db = RegistryDatabase(self.db_path)
-        self._reaper: OrphanReaper | None = None
+        self._orphans: OrphanCollector | None = None
         # Becoming a subreaper changes where the whole process's orphans go, so only a process that
         # owns turns does it (on its first turn), never a read-only user such as `cgturn ps`.
         self._wants_subreaper = subreaper
         self._saved_env: dict[str, str | None] | None = None  # the caller's CGTURN_* before enter()
+        self.killer = RegistryKiller(lambda rec, protected: self._collect(rec, Snapshot(self.scope), protected),
+                                     self._expect_orphans)
 
-    def _ensure_reaper(self) -> None:
-        if self._wants_subreaper and self._reaper is None:
+    def _ensure_collector(self) -> None:
+        if self._wants_subreaper and self._orphans is None:
             acquire_subreaper()
-            self._reaper = OrphanReaper(self.scope)
-            self._reaper.start()
+            self._orphans = OrphanCollector(self.scope)
+            self._orphans.start()
 
     @property
     def scope(self) -> str:
@@ -137,18 +98,29 @@ class RegistryBackend(Backend):
     def location(self) -> str:
         return self.db_path
 
+    def env_for(self, record: TurnRecord) -> dict[str, str]:
+        return turn_environment(record, self.scope)
+
+    def ensure_root(self) -> bool:
+        """Nothing to make ahead: the database comes with the first write."""
+        return False
+
+    def remove_root(self) -> bool:
+        """The database stays (it is the state directory's); nothing is left to remove."""
+        return True
+
     # --- records and state ------------------------------------------------------------------------
 
     def create_turn(self, record: TurnRecord, limits=None) -> None:
         if limits is not None and not limits.is_empty():
-            raise self._no_limits()
+            raise no_limits_error(self.name)
         if record.sealed or record.network != "host":  # both need the turn's cgroup and namespaces
             raise IsolationUnavailable("the registry backend cannot seal a turn or give it a network of its own")
-        self._ensure_reaper()
+        self._ensure_collector()
         with self.db.write() as conn:
             old = self.db.load(conn, record.task_key, record.turn_key)
             if old is not None:
-                if old.state != COMPLETED or self._collect(old, _Snapshot(self.scope)):
+                if old.state != COMPLETED or self._collect(old, Snapshot(self.scope)):
                     raise TurnExists(f"turn {record.turn_id!r} already exists in task {record.task_id!r}")
                 self.db.forget(conn, old.task_key, old.turn_key)  # completed, nothing alive: replace
             self.db.save(conn, record)
@@ -190,13 +162,13 @@ class RegistryBackend(Backend):
             raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} is not running; cannot spawn")
         with SPAWN_LOCK:
             proc = subprocess.Popen([*steps, program, *argv[1:]], **kwargs)
-            # Our unreaped child: its pid cannot be recycled yet, so this start time is its own.
+            # Our child, not yet waited for: its pid cannot be recycled yet, so this start time is its own.
             started = procfs.start_time(proc.pid)
             note_spawned(proc.pid, started)
         if started is not None:
             self._record_process(record, proc.pid, started, argv)
-        if self._reaper is not None:
-            self._reaper.nudge()  # orphans may come from now on: look often
+        if self._orphans is not None:
+            self._orphans.nudge()  # orphans may come from now on: look often
         # Checked again once recorded: an abandon marks the turn before it collects members, so
         # either it found this process by its record, or its mark is seen here. (Between fork and
         # exec the child shows the parent's environment, so the kill's scan alone can miss it.)
@@ -211,13 +183,13 @@ class RegistryBackend(Backend):
         return current is not None and current.state == RUNNING
 
     def adopt(self, record, pid) -> None:
-        self._ensure_reaper()
+        self._ensure_collector()
         st = procfs.stat(pid)
         if st is None:
             raise NoSuchProcess(pid, f"cannot adopt process {pid}: it does not exist")
         started = st.start_time
         if st is not None and st.ppid == os.getpid():
-            with SPAWN_LOCK:  # our own child: some Popen may be waiting for it, never reap it
+            with SPAWN_LOCK:  # our own child: some Popen may be waiting for it, never collect it
                 note_spawned(pid, started)
         self._record_process(record, pid, started, procfs.cmdline(pid).split(" "))
 
@@ -234,27 +206,13 @@ class RegistryBackend(Backend):
         return [(pid, start) for pid, start in rows]
 
     def members(self, record) -> list[Member]:
-        return sorted(self._collect(record, _Snapshot(self.scope)))
+        return sorted(self._collect(record, Snapshot(self.scope)))
 
-    def _collect(self, record: TurnRecord, snap: _Snapshot, protected: set[int] | None = None) -> set[Member]:
-        """Live members: recorded + environment-tagged processes, and their descendants.
-
-        Protected pids (PID 1, the caller, its ancestors) are neither members nor walked through, so
-        a turn never reaches the caller's other children. Pass `protected=set()` to see everything.
-        """
+    def _collect(self, record: TurnRecord, snap: Snapshot, protected: set[int] | None = None) -> set[Member]:
+        """Live members (registry_members.collect); protected pids default to PID 1, the caller and
+        its ancestors. Pass `protected=set()` to see everything."""
         protected = procfs.protected_pids() if protected is None else protected
-        seeds = [pid for pid, start in self.recorded(record) if snap.live(pid, start)]
-        key = (record.task_key, record.turn_key)
-        seeds += [pid for pid, tag in snap.tagged.items() if tag == key]
-        found: set[int] = set()
-        stack = [pid for pid in seeds if pid not in protected]
-        while stack:
-            pid = stack.pop()
-            if pid in found or not snap.live(pid):
-                continue
-            found.add(pid)
-            stack.extend(child for child in snap.children.get(pid, ()) if child not in protected)
-        return {snap.member(pid) for pid in found}
+        return collect(self.recorded(record), (record.task_key, record.turn_key), snap, protected)
 
     def turn_of(self, pid: int) -> tuple[str, str] | None:
         started = procfs.start_time(pid)
@@ -264,7 +222,7 @@ class RegistryBackend(Backend):
         return scope_tag(procfs.environ(pid))
 
     def enter(self, record) -> None:
-        self._ensure_reaper()
+        self._ensure_collector()
         me = os.getpid()
         if self._saved_env is None:
             self._saved_env = {name: os.environ.get(name) for name in (ENV_TASK, ENV_TURN, ENV_SCOPE)}
@@ -296,110 +254,28 @@ class RegistryBackend(Backend):
             return True
         # Walk through the caller's ancestors (one of them may be the member the caller descends
         # from), but never from PID 1, whose descendants are everything.
-        return (me, mine) in self._collect(record, _Snapshot(self.scope), protected={1})
+        return (me, mine) in self._collect(record, Snapshot(self.scope), protected={1})
 
     # --- killing ----------------------------------------------------------------------------------
 
-    def _send(self, fd: int, pid: int, sig: int, protected: set[int]) -> bool:
-        """Signal through a pidfd, never a protected pid (PID 1, the caller, its ancestors)."""
-        if pid in protected:
-            log.error("refusing to send signal %d to protected pid %d", sig, pid)
-            return False
-        return procfs.pidfd_signal(fd, sig)
+    def _expect_orphans(self, killed) -> None:
+        """Tell the collector that these killed members are ours to collect if they end up our children:
+        a member whose parent died in the same kill reparents to us already dead, so the collector
+        never sees it alive to check its environment."""
+        if self._orphans is not None:
+            self._orphans.expect(killed)
 
     def signal_members(self, record, sig) -> list[int]:
-        protected = procfs.protected_pids()
-        sent = []
-        # Oldest first, so parents before their children: a shell waiting for its children must get
-        # its SIGTERM before it can see them die and exit 0 (cgroup.procs lists in that order too).
-        members = sorted(self._collect(record, _Snapshot(self.scope), protected), key=lambda m: (m[1], m[0]))
-        for pid, start in members:
-            fd = procfs.open_pidfd(pid, start)
-            if fd is None:
-                continue
-            try:
-                if self._send(fd, pid, sig, protected):
-                    sent.append(pid)
-            finally:
-                os.close(fd)
-        return sorted(sent)
-
-    def _freeze(self, record: TurnRecord, protected: set[int]) -> dict[Member, tuple[int, bool]]:
-        """SIGSTOP members until a pass finds none new. Returns member -> (pidfd, was stopped before).
-
-        The pidfds stay open so the final signal reaches exactly the process that was stopped.
-        """
-        held: dict[Member, tuple[int, bool]] = {}
-        try:
-            for _ in range(FREEZE_PASSES):
-                new = False
-                for member in self._collect(record, _Snapshot(self.scope), protected):
-                    if member in held:
-                        continue
-                    fd = procfs.open_pidfd(*member)
-                    if fd is None:
-                        continue
-                    st = procfs.stat(member[0])
-                    held[member] = (fd, st is not None and st.state in ("T", "t"))
-                    if self._send(fd, member[0], signal.SIGSTOP, protected):
-                        new = True
-                if not new:
-                    break
-            else:
-                log.warning("turn %r still gaining processes after %d stop passes", record.turn_id, FREEZE_PASSES,
-                            extra=turn_fields(record.task_id, record.turn_id, record.reason))
-        except BaseException:
-            _close_all(held)
-            raise
-        return held
+        return self.killer.signal(record, sig)
 
     def kill_members(self, record) -> list[int]:
-        protected = procfs.protected_pids()
-        held = self._freeze(record, protected)
-        killed = []
-        try:
-            for (pid, _), (fd, _) in held.items():
-                if self._send(fd, pid, signal.SIGKILL, protected):
-                    killed.append(pid)
-            self._expect_orphans(held)
-        finally:
-            _close_all(held)
-        return sorted(killed)
-
-    def _expect_orphans(self, killed) -> None:
-        """Tell the reaper that these killed members are ours to reap if they end up our children:
-        a member whose parent died in the same kill reparents to us already dead, so the reaper
-        never sees it alive to check its environment."""
-        if self._reaper is not None:
-            self._reaper.expect(killed)
+        return self.killer.kill(record)
 
     def freeze_members(self, record, frozen: bool) -> list[int]:
-        """SIGSTOP every member until a pass finds none new (a fork racing the stop is caught by
-        the next pass), or SIGCONT them all. Weaker than cgroup.freeze: a process that catches
-        SIGCONT from elsewhere runs again, and one started by a member after the last pass runs."""
-        protected = procfs.protected_pids()
-        if frozen:
-            held = self._freeze(record, protected)
-            pids = sorted(pid for pid, _ in held)
-            _close_all(held)
-            return pids
-        return self.signal_members(record, signal.SIGCONT)
+        return self.killer.freeze(record, frozen)
 
-    def kill_where(self, record, doomed: Callable[[int, int], bool]) -> list[int]:
-        protected = procfs.protected_pids()
-        held = self._freeze(record, protected)
-        killed = []
-        try:
-            for (pid, start), (fd, was_stopped) in held.items():
-                if doomed(pid, start):
-                    if self._send(fd, pid, signal.SIGKILL, protected):
-                        killed.append(pid)
-                        self._expect_orphans([(pid, start)])
-                elif not was_stopped:  # leave a process stopped by someone else (^Z) stopped
-                    self._send(fd, pid, signal.SIGCONT, protected)
-        finally:
-            _close_all(held)
-        return sorted(killed)
+    def kill_where(self, record, doomed) -> list[int]:
+        return self.killer.kill_where(record, doomed)
 
     def wait_empty(self, record, timeout) -> bool:
         deadline = time.monotonic() + max(timeout, 0.0)
@@ -410,11 +286,11 @@ class RegistryBackend(Backend):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            _wait_any_exit(members[:MAX_POLL_FDS], min(remaining, RESCAN_INTERVAL))
+            wait_any_exit(members[:MAX_POLL_FDS], min(remaining, RESCAN_INTERVAL))
 
     def remove(self, record) -> bool:
         with self.db.write() as conn:
-            if self._collect(record, _Snapshot(self.scope)):
+            if self._collect(record, Snapshot(self.scope)):
                 return False
             self.db.forget(conn, record.task_key, record.turn_key)
         return True
@@ -426,51 +302,42 @@ class RegistryBackend(Backend):
         rows = self.db.read("SELECT COUNT(*) FROM turns WHERE task_key=?", (task_key,))
         return rows[0][0] == 0
 
+    def strays(self) -> list[tuple[str, int]]:
+        """None: a process of a turn is found wherever it went (by record, descent or environment),
+        so no process is inside the registry's territory but in no turn."""
+        return []
+
+    def kill_stray(self, where: str, pid: int) -> bool:
+        """Never signals: the registry finds no strays (see `strays`)."""
+        return False
+
     # --- observation --------------------------------------------------------------------------------
 
-    def usage(self, record, pids):
-        """CPU seconds (user + system) and summed RSS of the live members (psutil)."""
-        import psutil
+    def turn_usage(self, record) -> Usage:
+        """CPU seconds of the live members; the kernel enforces no limit here, so no counters."""
+        cpu, _ = usage([pid for pid, _ in self.members(record)])
+        return Usage(cpu_seconds=cpu)
 
-        cpu, rss = 0.0, 0
-        for pid in pids:
-            try:
-                proc = psutil.Process(pid)
-                times = proc.cpu_times()
-                cpu += times.user + times.system
-                rss += proc.memory_info().rss
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-        return cpu, rss
+    def turn_frozen(self, record) -> bool:
+        """False: without cgroup.freeze the kernel holds no freeze state (SIGSTOP is per process;
+        the record's `frozen_by` says who stopped the turn)."""
+        return False
+
+    def cgroup_dir(self, record) -> None:
+        """None: a registry turn has no cgroup."""
+        return None
+
+    def views(self, task_key=None) -> list[TurnView]:
+        out = []
+        for rec in self.records(task_key):
+            pids = sorted(pid for pid, _ in self.members(rec))
+            cpu, mem = usage(pids)
+            out.append(TurnView(rec, pids, cpu, mem, path=self.location))
+        return out
 
     def close(self) -> None:
-        if self._reaper is not None:
-            self._reaper.stop()
-            self._reaper = None
+        if self._orphans is not None:
+            self._orphans.stop()
+            self._orphans = None
             release_subreaper()
         self.db.close()
-
-
-def _close_all(held: dict[Member, tuple[int, bool]]) -> None:
-    for fd, _ in held.values():
-        os.close(fd)
-    held.clear()
-
-
-def _wait_any_exit(members: list[Member], timeout: float) -> None:
-    """Sleep until one of `members` exits (pidfd POLLIN, 5.3+) or `timeout` passes."""
-    fds = []
-    try:
-        poller = select.poll()
-        for pid, start in members:
-            fd = procfs.open_pidfd(pid, start)
-            if fd is None:
-                return  # already gone: let the caller re-collect right away
-            fds.append(fd)
-            poller.register(fd, select.POLLIN)
-        poller.poll(timeout * 1000)
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-

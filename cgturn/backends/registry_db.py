@@ -2,6 +2,8 @@
 
 One connection per process (reopened after fork), WAL mode, short `BEGIN IMMEDIATE` transactions, so
 the owner, a sentinel and the CLI can share it and a state transition cannot interleave with another.
+Every turn row carries its record format (column `format`, record_format.py): a row written before the
+column existed (NULL) is format 1, a row newer than this code reads as a CORRUPT turn.
 """
 from __future__ import annotations
 
@@ -13,20 +15,23 @@ import threading
 from typing import Iterator
 
 from ..errors import RegistryUnavailable, translate
-from ..model import STORED_FIELDS, TurnRecord
+from ..model import STORED_FIELDS, TurnRecord, corrupt_record
+from .record_format import FORMAT_KEY, RECORD_FORMAT, format_problem
 
 BUSY_TIMEOUT = 10.0
 _SQL_TYPES = {"str": "TEXT", "int": "INTEGER", "float": "REAL", "bool": "INTEGER"}
 
 
 def _turn_columns() -> list[tuple[str, str]]:
-    """(name, SQL type) of every TurnRecord field: the turns table follows the dataclass."""
+    """(name, SQL type) of every TurnRecord field, then the record's format: the turns table follows
+    the dataclass."""
     out = []
     for f in dataclasses.fields(TurnRecord):
         if f.name not in STORED_FIELDS:
             continue
         kind = str(f.type).split("|")[0].strip()
         out.append((f.name, _SQL_TYPES.get(kind, "TEXT")))
+    out.append((FORMAT_KEY, "INTEGER"))
     return out
 
 
@@ -130,7 +135,13 @@ class RegistryDatabase:
     # rows <-> records
 
     def to_record(self, row: tuple) -> TurnRecord:
-        return TurnRecord(**dict(zip(self.columns, row)))
+        """The record in a row of `columns`; a CORRUPT record (its `problem` says why) when the row's
+        format is one this code cannot read."""
+        data = dict(zip(self.columns, row))
+        problem = format_problem(data.pop(FORMAT_KEY))
+        if problem is not None:
+            return corrupt_record(data["task_key"], data["turn_key"], problem, data.get("started_at") or 0.0)
+        return TurnRecord(**data)
 
     def load(self, conn, task_key: str, turn_key: str) -> TurnRecord | None:
         row = conn.execute(f"SELECT {', '.join(self.columns)} FROM turns WHERE task_key=? AND turn_key=?",
@@ -138,7 +149,7 @@ class RegistryDatabase:
         return self.to_record(row) if row else None
 
     def save(self, conn, rec: TurnRecord) -> None:
-        data = rec.to_json()
+        data = {**rec.to_json(), FORMAT_KEY: RECORD_FORMAT}
         marks = ", ".join("?" for _ in self.columns)
         conn.execute(f"INSERT OR REPLACE INTO turns ({', '.join(self.columns)}) VALUES ({marks})",
                      tuple(data[name] for name in self.columns))

@@ -5,12 +5,12 @@ Paths, preferred first:
   (clone3 CLONE_INTO_CGROUP, Linux 5.7+) and execs the target: no shim, no migration (kernel/spawn.py).
 - "posix_spawn": where the extension is not built, glibc 2.39+'s posix_spawn does the same
   (posix_spawnattr_setcgroup_np; kernel/posix_spawn.py), for the options it can honour.
-- "shim": the gated /bin/sh shim (cgroup2.py, gates.py): works everywhere, honours every option.
+- "shim": the gated /bin/sh shim (shim.py, gates.py): works everywhere, honours every option.
 
-A request goes to the first path that can honour it: the native paths honour the Popen options in
-`NATIVE_OPTIONS` on a turn without isolation (sealed, network); anything else (preexec_fn, user=,
-group=, options added later) goes to the shim unchanged. posix_spawn also hands over what it finds
-it cannot do once Popen has arranged the request (kernel/posix_spawn.py: umask, pass_fds, ...). On
+A request goes to the first path that can honour it: which Popen options each path honours is the one
+table in spawn_options.py; a turn with isolation (sealed, network) always takes the shim. Taking the
+shim because of an option logs one debug line naming it. posix_spawn also hands over what it finds
+it cannot do once Popen has arranged the request (kernel/posix_spawn.py). On
 hybrid hosts a turn with v1 directories is joined by the child itself before it execs (clone3
 only): it writes "0" (itself) to each v1 cgroup.procs, opened by the parent (open and write are
 async-signal-safe), so v1 limits hold before the target runs.
@@ -38,23 +38,20 @@ from ..kernel import spawn as kspawn
 from ..kernel.cgroupfiles import xattr_or_none
 from ..kernel.cgroupfs import Cgroup
 from ..model import RUNNING
+from . import shim
+from .shim import ShimHooks
 from .base import normalize_spawn
-from .metadata import XATTR_KEY, record_from_xattr
+from .metadata import XATTR_KEY, MetadataStore, record_from_xattr
+from .spawn_options import CLONE3, POSIX_SPAWN, SHIM, SpawnTarget, options_refused_by
 
 if TYPE_CHECKING:
     import subprocess
 
     from ..model import TurnRecord
-    from .cgroup2 import Cgroup2Backend
 
 log = logging.getLogger("cgturn")
 
-CLONE3, POSIX_SPAWN, SHIM = "clone3", "posix_spawn", "shim"
-NATIVE_OPTIONS = frozenset({
-    "stdin", "stdout", "stderr", "cwd", "env", "close_fds", "pass_fds", "start_new_session", "process_group",
-    "umask", "restore_signals", "text", "universal_newlines", "encoding", "errors", "bufsize", "shell",
-    "preexec_fn",  # None only (checked below)
-})
+__all__ = ["CLONE3", "POSIX_SPAWN", "SHIM", "ShimHooks", "available", "forced", "choose", "spawn", "target"]
 
 can_clone3 = kspawn.clone3_built()
 can_posix_spawn = posix_spawn.available()
@@ -89,16 +86,42 @@ def _choose(record: "TurnRecord", popen_kwargs: dict) -> tuple[str, str]:
     if native == POSIX_SPAWN and record.v1_dirs:
         return SHIM, "posix_spawn cannot join v1 cgroups"
     if popen_kwargs:
-        others = sorted(k for k, v in popen_kwargs.items() if k not in NATIVE_OPTIONS and v is not None)
-        if others:
-            return SHIM, f"{native} cannot honour {', '.join(others)}"
-        if popen_kwargs.get("preexec_fn") is not None:
-            return SHIM, f"{native} cannot honour preexec_fn"
+        refused = options_refused_by(native, popen_kwargs)
+        if refused:
+            return SHIM, f"{native} cannot honour {', '.join(refused)}"
     return native, "all options honoured"
 
 
-def spawn_native(backend: "Cgroup2Backend", record: "TurnRecord", way: str, argv,
-                 popen_kwargs: dict) -> "subprocess.Popen | None":
+def target(cgroup_dir: str, v1_procs: list[str], environment: dict[str, str]) -> SpawnTarget:
+    """The SpawnTarget of a turn: its cgroup directory, its v1 cgroup.procs files and CGTURN_* entries."""
+    return SpawnTarget(cgroup_dir, v1_procs, environment, kspawn.environment_entries(environment))
+
+
+def spawn(record: "TurnRecord", where: SpawnTarget, meta: MetadataStore, hooks: ShimHooks, argv,
+          popen_kwargs: dict) -> "subprocess.Popen":
+    """Start `argv` in the turn at `where` by the first path that honours the request.
+
+    Args:
+        record: the turn's record as the caller read it (ids, isolation, v1 directories).
+        meta: the record store, read under the turn's lock before the child is let run.
+        hooks: what the shim needs from the backend, should the spawn take it.
+
+    Raises:
+        NoSuchTurn: the turn is not running (marked, or its directory gone); nothing ran.
+        KernelError: the child could not join the turn's v1 cgroups for another reason.
+        ValueError: a refused option, or an unknown user or group.
+        OSError: as Popen, for the target program (FileNotFoundError, PermissionError, ...).
+    """
+    way = choose(record, popen_kwargs)
+    if way != SHIM:
+        proc = _spawn_native(record, where, meta, way, argv, popen_kwargs)
+        if proc is not None:
+            return proc
+    return shim.spawn(record, where, meta, hooks, argv, popen_kwargs)
+
+
+def _spawn_native(record: "TurnRecord", where: SpawnTarget, meta: MetadataStore, way: str, argv,
+                  popen_kwargs: dict) -> "subprocess.Popen | None":
     """Start the process in the turn the native way `way` (CLONE3 or POSIX_SPAWN); None, having
     started nothing, when the shim must take this spawn: the kernel refuses clone3 into a cgroup
     (every later spawn takes the shim too), the turn is frozen (a vfork child frozen before exec
@@ -113,12 +136,12 @@ def spawn_native(backend: "Cgroup2Backend", record: "TurnRecord", way: str, argv
     global can_clone3, can_posix_spawn
     argv, kwargs = normalize_spawn(argv, popen_kwargs)
     kwargs.pop("preexec_fn", None)
-    path, v1, env = _prepared(backend, record)
+    path, v1, env = where.cgroup_dir, where.v1_procs, where.environment_entries
     try:
         if way == CLONE3:
-            proc = _start(backend, path, v1, env, argv, kwargs)
+            proc = _start(meta, path, v1, env, argv, kwargs)
         else:
-            proc = kspawn.spawn_into(path, v1, lambda fd: _may_spawn(backend, path, fd, bool(v1)), argv, env,
+            proc = kspawn.spawn_into(path, v1, lambda fd: _may_spawn(meta, path, fd, bool(v1)), argv, env,
                                      kwargs, popen=posix_spawn.PosixSpawnPopen)
     except (_UseShim, posix_spawn.CannotHonour) as why:
         log.debug("spawn path for turn %r: shim (%s)", record.turn_id, why,
@@ -154,7 +177,7 @@ _XATTR_KEY_BYTES = XATTR_KEY.encode()
 CHECKED_ATTEMPTS = 3
 
 
-def _start(backend: "Cgroup2Backend", path: str, v1: list[str], env: tuple[bytes, ...], argv,
+def _start(meta: MetadataStore, path: str, v1: list[str], env: tuple[bytes, ...], argv,
            kwargs: dict) -> "subprocess.Popen | None":
     """Clone into the turn directory `path` if its record allows it (see _may_spawn); None if not.
 
@@ -163,7 +186,7 @@ def _start(backend: "Cgroup2Backend", path: str, v1: list[str], env: tuple[bytes
     the lock. A record seen for the first time (or changed since) is read and judged first.
     Records kept in files (no xattrs) are read and judged under the lock in Python.
     """
-    if backend.meta.use_xattrs:
+    if meta.use_xattrs:
         joins_v1 = bool(v1)
         for _ in range(CHECKED_ATTEMPTS):
             seen = _cleared.get(path)
@@ -180,27 +203,7 @@ def _start(backend: "Cgroup2Backend", path: str, v1: list[str], env: tuple[bytes
             if proc is not None:
                 return proc
             _cleared.pop(path, None)
-    return kspawn.spawn_into(path, v1, lambda fd: _may_spawn(backend, path, fd, bool(v1)), argv, env, kwargs)
-
-
-# Per (backend, turn): the turn directory, its v1 cgroup.procs files and its CGTURN_* environment,
-# which are fixed for the turn's life.
-_PREPARED_MAX = 1024
-
-
-def _prepared(backend: "Cgroup2Backend", record: "TurnRecord") -> tuple[str, list[str], tuple[bytes, ...]]:
-    key = (record.task_key, record.turn_key, record.v1_dirs)
-    cache = backend.spawn_prepared
-    found = cache.get(key)
-    if found is None:
-        path = backend._cg(record).path
-        v1 = [f"{d}/cgroup.procs" for d in backend.layout.v1_dirs(record.task_key, record.turn_key).values()] \
-            if record.v1_dirs else []
-        found = (path, v1, kspawn.environment_entries(backend.env_for(record)))
-        if len(cache) >= _PREPARED_MAX:
-            cache.clear()
-        cache[key] = found
-    return found
+    return kspawn.spawn_into(path, v1, lambda fd: _may_spawn(meta, path, fd, bool(v1)), argv, env, kwargs)
 
 
 # Turn directory -> (its record's xattr value, v1 joined): values that were found to say "running,
@@ -236,10 +239,10 @@ def _allows(current: "TurnRecord | None", joins_v1: bool) -> bool:
     return True
 
 
-def _may_spawn(backend: "Cgroup2Backend", path: str, fd: int, joins_v1: bool) -> bool:
+def _may_spawn(meta: MetadataStore, path: str, fd: int, joins_v1: bool) -> bool:
     """_allows for the record read now, under the shared lock on the turn directory (open at `fd`)."""
-    raw = xattr_or_none(fd, XATTR_KEY) if backend.meta.use_xattrs else None
-    current = backend.meta.load(Cgroup(path)) if raw is None else record_from_xattr(raw, path)
+    raw = xattr_or_none(fd, XATTR_KEY) if meta.use_xattrs else None
+    current = meta.load(Cgroup(path)) if raw is None else record_from_xattr(raw, path)
     if not _allows(current, joins_v1):
         return False
     if raw is not None:

@@ -5,17 +5,13 @@ Errors carry the path and the data written. Each operation decides its errnos ex
 """
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
-import logging
 import os
 import select
-import threading
 import time
 
 from ..errors import translate
-from . import parsers
+from . import dirlock, parsers
 from .cgroupfiles import (  # noqa: F401 - re-exported: the file layer's one import point
     CGROUP2_SUPER_MAGIC, CONTROLLERS_FILE, CPU_STAT_FILE, EVENTS_FILE, FREEZE_FILE, KILL_FILE, MEMORY_CURRENT_FILE,
     PROCS_FILE, STAT_FILE, THREADS_FILE, XATTR_READ_SIZE, child_entries, get_xattr, is_cgroup2, read_head, read_procs,
@@ -25,8 +21,6 @@ from .cgroupfiles import (  # noqa: F401 - re-exported: the file layer's one imp
 # or the write is refused (EINVAL seen under some managers, EOPNOTSUPP for threaded cgroups).
 KILL_UNSUPPORTED_ERRNOS = frozenset({errno.ENOENT, errno.EINVAL, errno.EOPNOTSUPP})
 
-
-log = logging.getLogger("cgturn")
 
 class KillUnsupported(Exception):
     """cgroup.kill is missing or refused for this cgroup; the caller falls back to freeze + kill."""
@@ -300,28 +294,10 @@ class Cgroup:
             if err.errno not in (errno.ENODATA, errno.ENOENT):
                 raise
 
-    @contextlib.contextmanager
     def lock(self, timeout: float | None = None):
-        """Hold an exclusive flock(2) on the cgroup directory (works on cgroupfs).
-
-        Yields False, holding nothing, when the directory is gone. With `timeout`, a holder that keeps
-        the lock longer than that (a process stopped or wedged while holding it) is not waited for:
-        the body runs unlocked, and the holder is logged.
-        """
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError):
-            yield False
-            return
-        try:
-            if timeout is None:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            elif not _flock_within(fd, timeout):
-                log.warning("%s stayed locked for %.1f s (its holder is stopped or wedged): going on without it",
-                            self.path, timeout)
-            yield True
-        finally:
-            os.close(fd)
+        """Hold an exclusive flock(2) on the cgroup directory (works on cgroupfs); see
+        dirlock.exclusive (yields False, holding nothing, when the directory is gone)."""
+        return dirlock.exclusive(self.path, timeout)
 
     def open_dir(self) -> int | None:
         """An O_DIRECTORY fd of this cgroup for reads relative to it; None when it is gone."""
@@ -330,28 +306,3 @@ class Cgroup:
         except (FileNotFoundError, NotADirectoryError):
             return None
 
-
-def _flock_within(fd: int, timeout: float) -> bool:
-    """flock(LOCK_EX) on `fd`, waiting at most `timeout` seconds; True if it was taken.
-
-    The wait is a blocking flock in a helper thread on a dup of `fd` (flock has no timed form, and a
-    polling LOCK_NB loop starves behind a stream of shared holders). A lock taken after the timeout
-    is released when both fds are closed: the caller's at the end of its block, the helper's at once.
-    """
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        pass
-    waiter = os.dup(fd)
-    taken = threading.Event()
-
-    def wait() -> None:
-        try:
-            fcntl.flock(waiter, fcntl.LOCK_EX)
-            taken.set()
-        finally:
-            os.close(waiter)
-
-    threading.Thread(target=wait, name="cgturn-flock", daemon=True).start()
-    return taken.wait(timeout)

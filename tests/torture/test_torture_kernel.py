@@ -39,7 +39,7 @@ PID_HOPPER = textwrap.dedent("""
 
 @pytest.mark.parametrize("use_cgroup_kill", [True, False], ids=["cgroup.kill", "freeze-fallback"])
 def test_pid_hopping_chains_and_every_escaper_at_once_all_die(mgr, escapers, bystanders, use_cgroup_kill):
-    mgr.backend.cgroup_kill_works = use_cgroup_kill
+    mgr.backend.killer.cgroup_kill_works = use_cgroup_kill
     before = bystanders("sleep", "300")
     keep = mgr.begin_turn("keep")
     kept = keep.spawn(["sleep", "300"])
@@ -116,7 +116,7 @@ THREADED = textwrap.dedent("""
 def test_threaded_sub_cgroup_in_a_turn_is_still_killed(mgr, use_cgroup_kill):
     """cgroup.procs of a threaded cgroup cannot be read (EOPNOTSUPP): membership comes from
     cgroup.threads; both kill paths must still empty the turn."""
-    mgr.backend.cgroup_kill_works = use_cgroup_kill
+    mgr.backend.killer.cgroup_kill_works = use_cgroup_kill
     turn = mgr.begin_turn("threaded")
     p = turn.spawn([PY, "-c", THREADED, mgr.backend.mount], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "threaded"

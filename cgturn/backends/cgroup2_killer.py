@@ -1,20 +1,23 @@
-"""The cgroup v2 backend's kill paths, as a mixin of `Cgroup2Backend`: signalling, cgroup.kill and its
-freeze-and-kill fallback, freezing, and processes that left their turn (strays).
+"""The cgroup v2 backend's killer: signalling, cgroup.kill and its freeze-and-kill fallback, freezing,
+and processes that left their turn (strays).
 
 Kill: cgroup.kill (5.14+) SIGKILLs the subtree and, via a flag checked in cgroup_post_fork, whatever is
 forked during the kill. Where it is missing or refused, freeze -> enumerate -> SIGKILL -> thaw, repeated
 until the subtree is empty (what runc does). Every path refuses a cgroup outside the managed root or
-holding the caller, one of its ancestors or PID 1, and signals through pidfds after checking the
-process is still inside, so a recycled pid is never hit.
+holding the caller, one of its ancestors or PID 1 (`_refuse_protected`), and signals through pidfds
+after checking the process is still inside, so a recycled pid is never hit.
+
+The killer works on cgroups, not turns: it needs only the managed root and a way to place a
+/proc/PID/cgroup path on the mount the backend sees, so the backend composes it.
 """
 from __future__ import annotations
 
 import logging
 import os
 import signal
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from ..errors import NoSuchTurn, UnsafeOperation
+from ..errors import UnsafeOperation
 from ..kernel import procfs
 from ..kernel.cgroupfs import Cgroup, KillUnsupported
 
@@ -23,46 +26,56 @@ FREEZE_TIMEOUT = 1.0
 FALLBACK_ROUNDS = 50
 
 
-class KillingMixin:
-    """Kill paths for Cgroup2Backend (uses its root, mount, _cg, _path_on_mount, cgroup_kill_works)."""
+class CgroupKiller:
+    """Kills, signals and freezes cgroups below one managed root, never a protected process.
 
-    if TYPE_CHECKING:  # what Cgroup2Backend provides
-        from ..model import TurnRecord
+    Args:
+        root: the managed root; nothing outside it is ever signalled.
+        path_on_mount: where a /proc/PID/cgroup path lies on the backend's cgroup2 mount (None when
+            outside its view).
+        cgroup_kill: False when cgroup.kill is known not to work (the freeze fallback from the
+            start); None or True try it, and the first refusal switches it off
+            (`cgroup_kill_works`, a capability flag tests set too).
+    """
 
-        root: Cgroup
-        cgroup_kill_works: bool
+    def __init__(self, root: Cgroup, path_on_mount: Callable[[str], str | None], cgroup_kill: bool | None = None):
+        self.root = root
+        self._path_on_mount = path_on_mount
+        self.cgroup_kill_works = cgroup_kill is not False
 
-        def _cg(self, record: TurnRecord) -> Cgroup: ...
-        def _path_on_mount(self, rel: str) -> str | None: ...
-
-    def _guard(self, cg: Cgroup) -> None:
+    def _refuse_protected(self, cg: Cgroup) -> None:
         """Refuse to kill or freeze outside the managed root, or a cgroup holding the caller, one of
-        its ancestors or PID 1."""
+        its ancestors or PID 1.
+
+        Raises:
+            UnsafeOperation: naming the cgroup and why.
+        """
         real = os.path.realpath(cg.path)
         if not real.startswith(os.path.realpath(self.root.path) + "/"):
             raise UnsafeOperation(f"refusing to kill {cg.path}: outside the managed root {self.root.path}")
-        who = self._protected_inside(cg)
+        who = self.protected_inside(cg)
         if who is not None:
             raise UnsafeOperation(f"refusing to kill {cg.path}: it contains {who}")
 
-    def _protected_inside(self, cg: Cgroup) -> str | None:
+    def protected_inside(self, cg: Cgroup) -> str | None:
         """Which protected process (the caller, an ancestor of it, PID 1) `cg` holds; None if none."""
         me = os.getpid()
         for pid in sorted(procfs.protected_pids()):
             where = procfs.cgroup_of("self" if pid == me else pid)
-            if where is not None and self._under(cg, where):
+            if where is not None and self.under(cg, where):
                 who = "the calling process" if pid == me else ("PID 1" if pid == 1 else "an ancestor of the caller")
                 return f"{who} ({pid})"
         return None
 
-    def signal_members(self, record, sig) -> list[int]:
-        cg = self._cg(record)
-        self._guard(cg)
-        sent = []
-        for pid in cg.procs_recursive():
-            if self._signal_if_inside(cg, pid, sig):
-                sent.append(pid)
-        return sent
+    def under(self, cg: Cgroup, rel: str) -> bool:
+        """True when the /proc/PID/cgroup path `rel` is `cg` or below it."""
+        path = self._path_on_mount(rel)
+        return path is not None and (path == cg.path or path.startswith(cg.path + "/"))
+
+    def signal(self, cg: Cgroup, sig: int) -> list[int]:
+        """Send `sig` to every process of `cg`'s subtree still inside it; the pids signalled."""
+        self._refuse_protected(cg)
+        return [pid for pid in cg.procs_recursive() if self._signal_if_inside(cg, pid, sig)]
 
     def _signal_if_inside(self, cg: Cgroup, pid: int, sig: int) -> bool:
         """Signal `pid` only if, once pinned by a pidfd, it is still inside `cg` (no PID-reuse hit)."""
@@ -71,19 +84,15 @@ class KillingMixin:
             return False
         try:
             where = procfs.cgroup_of(pid)
-            if where is None or not self._under(cg, where):
+            if where is None or not self.under(cg, where):
                 return False
             return procfs.pidfd_signal(fd, sig)
         finally:
             os.close(fd)
 
-    def _under(self, cg: Cgroup, rel: str) -> bool:
-        path = self._path_on_mount(rel)
-        return path is not None and (path == cg.path or path.startswith(cg.path + "/"))
-
-    def kill_members(self, record) -> list[int]:
-        cg = self._cg(record)
-        self._guard(cg)
+    def kill(self, cg: Cgroup) -> list[int]:
+        """SIGKILL `cg`'s subtree: cgroup.kill, else freeze-and-kill; the pids hit."""
+        self._refuse_protected(cg)
         pids = cg.procs_recursive()
         if self.cgroup_kill_works:
             try:
@@ -123,21 +132,22 @@ class KillingMixin:
                 break
         return sorted(killed)
 
-    def freeze_members(self, record, frozen: bool) -> list[int]:
-        cg = self._cg(record)
-        self._guard(cg)
+    def freeze(self, cg: Cgroup, frozen: bool) -> list[int]:
+        """Freeze (or thaw) `cg` and wait, bounded, for cgroup.events to say so; the pids inside.
+
+        Raises:
+            FileNotFoundError: the cgroup is gone.
+        """
+        self._refuse_protected(cg)
         pids = cg.procs_recursive()
-        try:
-            cg.set_frozen(frozen)
-        except FileNotFoundError:
-            raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} no longer exists") from None
+        cg.set_frozen(frozen)
         # cgroup.events `frozen` follows once every task has stopped (or runs again).
         cg.wait_events(lambda ev: ev.get("frozen", int(frozen)) == int(frozen), FREEZE_TIMEOUT)
         return pids
 
-    def kill_where(self, record, doomed) -> list[int]:
-        cg = self._cg(record)
-        self._guard(cg)
+    def kill_where(self, cg: Cgroup, doomed: Callable[[int, int], bool]) -> list[int]:
+        """Freeze `cg`, SIGKILL the processes with doomed(pid, start), thaw; the pids killed."""
+        self._refuse_protected(cg)
         return self._freeze_and_kill(cg, doomed, rounds=1)
 
     def strays(self) -> list[tuple[str, int]]:
@@ -150,6 +160,11 @@ class KillingMixin:
         return out
 
     def kill_stray(self, where: str, pid: int) -> bool:
+        """SIGKILL the stray `pid` if it is still directly in `where`; True if it was signalled.
+
+        Raises:
+            UnsafeOperation: `where` is not the managed root or a task directory, or `pid` is protected.
+        """
         cg = Cgroup(where)
         if cg != self.root and os.path.dirname(where) != self.root.path:
             raise UnsafeOperation(f"refusing to kill in {where}: not the managed root or a task directory")

@@ -1,9 +1,11 @@
-"""The child subreaper of the registry backend, and the thread that reaps the orphans it inherits.
+"""The child subreaper of the registry backend, and the thread that collects the orphans it inherits.
 
 prctl(2) PR_SET_CHILD_SUBREAPER (3.4+) makes orphans of turn processes reparent to this process
-instead of PID 1, so they stay visible; a daemon thread reaps those it attributed to a turn (by the
-turn environment they carried while alive). It never calls waitpid(-1) and never waits for a process
-a Popen of ours started: that exit status belongs to the Popen.
+instead of PID 1, so they stay visible; a daemon thread collects (waits for, so no zombie is left)
+those it attributed to a turn (by the turn environment they carried while alive). "Collect" is this
+module's word for waiting for an orphan's exit; "reap" is cgturn's crash recovery (`cgturn reap`).
+It never calls waitpid(-1) and never waits for a process a Popen of ours started: that exit status
+belongs to the Popen.
 """
 from __future__ import annotations
 
@@ -19,19 +21,19 @@ from .base import Member, turn_tag
 
 log = logging.getLogger("cgturn")
 
-# The reaper looks at its process's children this often while orphans can arrive (a child it spawned
+# The collector looks at its process's children this often while orphans can arrive (a child it spawned
 # or an orphan it adopted is alive: orphans arrive without notice), and this often when idle.
-REAPER_INTERVAL = 0.05
-REAPER_IDLE_INTERVAL = 1.0
+COLLECT_INTERVAL = 0.05
+COLLECT_IDLE_INTERVAL = 1.0
 BUSY_GRACE = 4  # quick sweeps after the last sign of activity, in intervals
 
 
 
 # --- process-wide state: the subreaper flag and the children Popen owns ---------------------------
 
-# Children spawned by any RegistryBackend of this process, pid -> start time. The reaper never waits
+# Children spawned by any RegistryBackend of this process, pid -> start time. The collector never waits
 # for them: their exit status belongs to the Popen that started them. The lock is held across
-# Popen() and the insert, so the reaper cannot classify a fresh child before it is listed here.
+# Popen() and the insert, so the collector cannot classify a fresh child before it is listed here.
 SPAWN_LOCK = threading.Lock()
 _SPAWNED: dict[int, int] = {}
 _SUBREAPER_LOCK = threading.Lock()
@@ -74,20 +76,20 @@ def note_spawned(pid: int, started: int | None) -> None:
         _SPAWNED[pid] = started
 
 
-class OrphanReaper(threading.Thread):
-    """Reaps orphans of this registry's turns that reparented to this (subreaper) process.
+class OrphanCollector(threading.Thread):
+    """Collects orphans of this registry's turns that reparented to this (subreaper) process.
 
     A child is attributed when it is first seen alive with this scope in its environment and is not
     one of our Popen children. Only attributed children are ever waited for, each by its pidfd
     (waitid P_PIDFD, 5.4+), so no other exit status is taken and a recycled pid is never waited for.
     """
 
-    def __init__(self, scope: str, interval: float = REAPER_INTERVAL, idle_interval: float = REAPER_IDLE_INTERVAL):
-        super().__init__(name="cgturn-reaper", daemon=True)
+    def __init__(self, scope: str, interval: float = COLLECT_INTERVAL, idle_interval: float = COLLECT_IDLE_INTERVAL):
+        super().__init__(name="cgturn-orphans", daemon=True)
         self.scope = scope
         self.interval, self.idle_interval = interval, idle_interval
         self.attributed: dict[Member, int] = {}   # orphan -> pidfd
-        self.ignored: set[Member] = set()          # children judged not ours to reap
+        self.ignored: set[Member] = set()          # children judged not ours to collect
         self.expected: set[Member] = set()         # members this process killed: ours if they come
         self._expected_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -99,18 +101,18 @@ class OrphanReaper(threading.Thread):
             while not self._stopping.is_set():
                 self.sweep()
                 self._sleep()
-        except Exception:  # noqa: BLE001 - a dying reaper must say why, not vanish
-            log.exception("cgturn reaper thread failed")
+        except Exception:  # noqa: BLE001 - a dying collector must say why, not vanish
+            log.exception("cgturn orphan collector thread failed")
 
     def sweep(self) -> None:
-        """Attribute new orphans among our children, then reap attributed ones that exited."""
+        """Attribute new orphans among our children, then collect attributed ones that exited."""
         self._attribute()
         for member, fd in list(self.attributed.items()):
             done: object
             try:
                 done = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
             except ChildProcessError:
-                done = True  # someone else reaped it (or it was never ours): forget it
+                done = True  # someone else waited for it (or it was never ours): forget it
             if done is not None:
                 os.close(fd)
                 del self.attributed[member]
@@ -191,7 +193,7 @@ class OrphanReaper(threading.Thread):
             os.read(self._wake_r, 4096)
 
     def expect(self, members) -> None:
-        """Members this process just killed: reap them if they turn up as our (dead) children."""
+        """Members this process just killed: collect them if they turn up as our (dead) children."""
         with self._expected_lock:
             self.expected.update(members)
         self.nudge()

@@ -1,0 +1,211 @@
+"""The cgroup v2 backend's limiter (`backend.limiter`): limits, usage counters and pressure at the three
+levels (turn, task, managed root).
+
+Where the controllers are and which files a limit maps to is cgroup2_limits.Layout's; this is what the
+backend does with it: new turns' limits and v1 directories (`limit_new_turn`), changing limits later
+(moving a running turn's processes into v1 directories, frozen meanwhile), reading what a turn used, and
+lifting a dying turn's CPU quota. The registry backend has no limiter (`limiter` is None there).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Callable, Iterable
+
+from ..errors import KernelError, LimitsUnavailable, NoSuchTurn
+from ..logfields import turn_fields
+from ..kernel.cgroupfs import Cgroup, child_entries
+from ..limits import Limits, Usage, stored_limits
+from ..model import CORRUPT, TurnRecord
+from . import cgroup2_views
+from .cgroup2_limits import Layout
+
+log = logging.getLogger("cgturn")
+FREEZE_TIMEOUT = 1.0
+
+Transition = Callable[[str, str, Iterable[str], str, dict[str, Any]], tuple[bool, "TurnRecord | None"]]
+
+
+def limit_new_turn(layout: Layout, root: Cgroup, record: TurnRecord, cg: Cgroup, task: Cgroup, limits: Limits,
+                   new_task: bool = False) -> None:
+    """Give a new turn (cgroup `cg` in task directory `task`) its limits and, on v1, its v1 directories
+    when any level has limits; sets `record.limits` and `record.v1_dirs` to match.
+
+    Args:
+        new_task: the caller made the task directory, which has no limits of its own yet.
+
+    Raises:
+        LimitsUnavailable, KernelError: a limit could not be written (the caller removes the turn).
+    """
+    if layout.v1_dirs():  # some controller lives in v1: does a limit apply to this turn?
+        inherited = layout.stored_limits(root)
+        if not new_task:
+            inherited = layout.stored_limits(task).merged(inherited)
+        if layout.uses_v1(limits) or layout.uses_v1(inherited):
+            layout.make_v1_dirs(record.task_key, record.turn_key)
+            record.v1_dirs = True
+    effective = layout.default_limits().merged(limits)
+    if not effective.is_empty():
+        layout.apply(effective, cg.path, record.task_key, record.turn_key)
+    record.limits = None if limits.is_empty() else json.dumps(limits.to_stored())
+
+
+class CgroupLimiter:
+    """Limits and figures for the turns below one managed root.
+
+    Args:
+        root: the managed root (turns are `root/<task_key>/<turn_key>`).
+        layout: returns where the controllers are for this root (made once, on first use).
+        ensure_root: creates the managed root if needed (a root budget may come before any turn).
+        records: the records of a task's turns (all turns with None), to give them v1 directories.
+        transition: the backend's atomic record change, to store a turn's new limits under its lock.
+    """
+
+    def __init__(self, root: Cgroup, layout: Callable[[], Layout], ensure_root: Callable[[], bool],
+                 records: Callable[[str | None], list[TurnRecord]], transition: Transition):
+        self._root = root
+        self._layout = layout
+        self._ensure_root = ensure_root
+        self._records = records
+        self._transition = transition
+
+    def _cg(self, record: TurnRecord) -> Cgroup:
+        return self._root.child(record.task_key).child(record.turn_key)
+
+    def set_turn_limits(self, record: TurnRecord, limits: Limits) -> TurnRecord:
+        """Change the limits set on a turn (None fields unchanged).
+
+        Returns:
+            The turn's record after the change.
+
+        Raises:
+            LimitsUnavailable: a limit cannot be enforced here (nothing changed).
+            NoSuchTurn: the turn is gone.
+        """
+        layout = self._layout()
+        merged = stored_limits(record.limits).merged(limits)
+        layout.check(merged)
+        cg = self._cg(record)
+        if layout.uses_v1(merged) and not record.v1_dirs:
+            record = self._give_v1_dirs(record)
+        layout.apply(merged, cg.path, record.task_key, record.turn_key)
+        won, rec = self._transition(record.task_key, record.turn_key, {record.state}, record.state,
+                                    {"limits": json.dumps(merged.to_stored()), "v1_dirs": record.v1_dirs})
+        if rec is None:
+            raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} no longer exists")
+        return rec
+
+    def set_task_limits(self, task_key: str, limits: Limits) -> None:
+        """Change the budget of a task: all its turns together (None fields unchanged); makes the
+        task directory if needed. Raises LimitsUnavailable when a limit cannot be enforced here."""
+        layout = self._layout()
+        self._ensure_root()
+        task = self._root.child(task_key)
+        merged = layout.stored_limits(task).merged(limits)
+        layout.check(merged)
+        if task.create():
+            layout.enable_v2(task)
+        if layout.uses_v1(merged):
+            layout.make_v1_dirs(task_key)
+            for rec in self._records(task_key):
+                if not rec.v1_dirs and rec.state != CORRUPT:
+                    self._give_v1_dirs(rec)
+        layout.apply(merged, task.path, task_key)
+        layout.store_limits(task, merged)
+
+    def set_root_limits(self, limits: Limits) -> None:
+        """Change the budget of the managed root: all turns together (None fields unchanged).
+        Raises LimitsUnavailable when a limit cannot be enforced here."""
+        layout = self._layout()
+        self._ensure_root()
+        merged = layout.stored_limits(self._root).merged(limits)
+        layout.check(merged)
+        if layout.uses_v1(merged):
+            layout.make_v1_dirs()
+            for rec in self._records(None):
+                if not rec.v1_dirs and rec.state != CORRUPT:
+                    self._give_v1_dirs(rec)
+        layout.apply(merged, self._root.path)
+        layout.store_limits(self._root, merged)
+
+    def task_limits(self, task_key: str) -> Limits:
+        """The task's own limits as stored on its directory (empty when none)."""
+        return self._layout().stored_limits(self._root.child(task_key))
+
+    def root_limits(self) -> Limits:
+        """The managed root's own limits (empty when none)."""
+        return self._layout().stored_limits(self._root)
+
+    def unthrottle(self, record: TurnRecord) -> None:
+        """Lift the turn's own CPU limit once its processes are SIGKILLed: nothing useful runs any
+        more, and exiting 500 processes within a 1-core quota takes twice as long as on 2 cores.
+        Failures are logged at debug level, never raised (a kill path must finish)."""
+        if stored_limits(record.limits).cpus is None:
+            return
+        try:
+            self._layout().apply(Limits(cpus="max"), self._cg(record).path, record.task_key, record.turn_key)
+        except (LimitsUnavailable, KernelError, FileNotFoundError) as err:
+            log.debug("cannot lift the cpu limit of dying turn %r: %s", record.turn_id, err,
+                      extra=turn_fields(record.task_id, record.turn_id, record.reason))
+
+    # A turn has v1 directories only when its record says so (`v1_dirs`, set under its lock when they
+    # are made): a turn without limits opens no v1 file.
+    def limit_counters(self, record: TurnRecord) -> Usage:
+        """The counters of limits the kernel enforced on the turn (`oom_kills`, `pids_max_hits`);
+        other figures are left at their defaults."""
+        return self._layout().usage(self._cg(record).path, record.task_key, record.turn_key, figures=False,
+                                    v1=record.v1_dirs)
+
+    def task_usage(self, task_key: str) -> Usage:
+        """What the task's turns used together, from the task directory's hierarchical counters."""
+        return self._layout().usage(self._root.child(task_key).path, task_key)
+
+    def root_usage(self) -> Usage:
+        """What all turns used together, from the managed root's counters."""
+        return self._layout().usage(self._root.path)
+
+    def report(self) -> dict:
+        """`{layout, available, problems}`: which limits this root can have, through which layout, and
+        why any cannot (`cgturn doctor`)."""
+        return self._layout().report()
+
+    def turn_pressure(self, record: TurnRecord) -> dict | None:
+        """{resource: {some_avg10, full_avg10} or None} for cpu, memory, io (the turn's PSI files)."""
+        return cgroup2_views.pressure(self._cg(record).path)
+
+    def _give_v1_dirs(self, record: TurnRecord) -> TurnRecord:
+        """Make a running turn's v1 directories and move its processes in, frozen meanwhile so that
+        none forks past the move (cgroup.freeze, 5.2+)."""
+        cg = self._cg(record)
+        self._layout().make_v1_dirs(record.task_key, record.turn_key)
+        was_frozen = cg.events().get("frozen", 0) == 1  # paused by a user or the guard: stays so
+        cg.set_frozen(True)
+        try:
+            cg.wait_events(lambda ev: ev.get("frozen", 1) == 1, FREEZE_TIMEOUT)
+            for pid in cg.procs_recursive():
+                try:
+                    self._layout().join_v1(pid, record.task_key, record.turn_key)
+                except (FileNotFoundError, KernelError):
+                    continue  # exited meanwhile
+        finally:
+            if not was_frozen:
+                cg.set_frozen(False)
+        _, rec = self._transition(record.task_key, record.turn_key, {record.state}, record.state, {"v1_dirs": True})
+        return rec or record
+
+    def sweep_v1_dirs(self) -> list[str]:
+        """Remove v1 directories whose turn or task is gone from cgroup2 (an owner that crashed
+        between the two removals); returns the paths removed."""
+        removed = []
+        for controller, root in self._layout().v1_dirs().items():
+            for task_name, _ in child_entries(root):
+                task_v2 = self._root.child(task_name)
+                for turn_name, _ in child_entries(os.path.join(root, task_name)):
+                    if not os.path.isdir(task_v2.child(turn_name).path):
+                        path = os.path.join(root, task_name, turn_name)
+                        if Cgroup(path).remove_tree(timeout=0.5):
+                            removed.append(path)
+                if not os.path.isdir(task_v2.path) and Cgroup(os.path.join(root, task_name)).remove_tree(timeout=0.5):
+                    removed.append(os.path.join(root, task_name))
+        return removed

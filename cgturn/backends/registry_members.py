@@ -1,0 +1,105 @@
+"""Membership of the registry backend's turns, from one pass over /proc: what a turn owns is its
+recorded processes (pid + start time, so a reused pid never matches), their descendants (one ppid map
+per pass) and any process whose initial environment names the registry and the turn (double-forked
+or setsid daemons keep it wherever they went), and their descendants. Also what waiting for members
+and reading their usage need.
+"""
+from __future__ import annotations
+
+import os
+import select
+
+from ..errors import AccessDenied
+from ..kernel import procfs
+from .base import Member, turn_tag
+
+
+class Snapshot:
+    """One pass over /proc: every process's stat, children by parent, and turn environments.
+
+    Built once per membership query, so a process is judged against one consistent ppid map.
+    """
+
+    def __init__(self, scope: str):
+        self.stats: dict[int, procfs.ProcStat] = {}
+        self.children: dict[int, list[int]] = {}
+        # pid -> (task_key, turn_key) for processes whose environment names `scope`
+        self.tagged: dict[int, tuple[str, str]] = {}
+        for pid in procfs.all_pids():
+            try:
+                st = procfs.stat(pid)
+            except AccessDenied:
+                continue  # not ours to look at, so never a member (hidepid)
+            if st is None:
+                continue
+            self.stats[pid] = st
+            self.children.setdefault(st.ppid, []).append(pid)
+            if pid == 2 or st.ppid == 2 or st.state in ("Z", "X"):
+                continue  # kernel threads have no environment; a zombie's is gone
+            tag = turn_tag(procfs.environ(pid), scope)
+            if tag is not None:
+                self.tagged[pid] = tag
+
+    def live(self, pid: int, started: int | None = None) -> bool:
+        """True if `pid` is in the snapshot, not a zombie, and (when given) started at `started`."""
+        st = self.stats.get(pid)
+        return (st is not None and st.state not in ("Z", "X")
+                and (started is None or st.start_time == started))
+
+    def member(self, pid: int) -> Member:
+        return pid, self.stats[pid].start_time
+
+
+def collect(recorded: list[Member], key: tuple[str, str], snap: Snapshot, protected: set[int]) -> set[Member]:
+    """Live members of the turn `key` (task_key, turn_key): its `recorded` processes still alive,
+    processes whose environment names it, and their descendants.
+
+    Protected pids (PID 1, the caller, its ancestors) are neither members nor walked through, so a
+    turn never reaches the caller's other children.
+    """
+    seeds = [pid for pid, start in recorded if snap.live(pid, start)]
+    seeds += [pid for pid, tag in snap.tagged.items() if tag == key]
+    found: set[int] = set()
+    stack = [pid for pid in seeds if pid not in protected]
+    while stack:
+        pid = stack.pop()
+        if pid in found or not snap.live(pid):
+            continue
+        found.add(pid)
+        stack.extend(child for child in snap.children.get(pid, ()) if child not in protected)
+    return {snap.member(pid) for pid in found}
+
+
+def usage(pids: list[int]) -> tuple[float, int]:
+    """CPU seconds (user + system) and summed RSS of the live processes `pids` (psutil)."""
+    import psutil
+
+    cpu, rss = 0.0, 0
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            times = proc.cpu_times()
+            cpu += times.user + times.system
+            rss += proc.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return cpu, rss
+
+
+def wait_any_exit(members: list[Member], timeout: float) -> None:
+    """Sleep until one of `members` exits (pidfd POLLIN, 5.3+) or `timeout` passes."""
+    fds = []
+    try:
+        poller = select.poll()
+        for pid, start in members:
+            fd = procfs.open_pidfd(pid, start)
+            if fd is None:
+                return  # already gone: let the caller re-collect right away
+            fds.append(fd)
+            poller.register(fd, select.POLLIN)
+        poller.poll(timeout * 1000)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
