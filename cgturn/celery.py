@@ -27,6 +27,7 @@ import importlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -124,7 +125,9 @@ class Integration:
         if state == "SUCCESS":
             turn.complete(keep_for=settings.get("keep_for"))
             return
-        reason = _reason_for(retval, turn)
+        # SystemExit/KeyboardInterrupt leave the trace through task_postrun's `finally`, in flight.
+        in_flight = sys.exc_info()[1]
+        reason = _reason_for(in_flight if isinstance(in_flight, (SystemExit, KeyboardInterrupt)) else retval, turn)
         if reason == reasons.ERROR and settings.get("on_error", "abandon") == "complete":
             turn.complete(keep_for=settings.get("keep_for"))
             return
@@ -182,6 +185,8 @@ def _reason_for(retval: Any, turn: "cgturn.Turn") -> str:
     exceptions = _celery("celery.exceptions")
     if isinstance(retval, exceptions.SoftTimeLimitExceeded):
         return TIME_LIMIT
+    if isinstance(retval, (SystemExit, KeyboardInterrupt)):
+        return WORKER_LOST  # the pool process exits after this: Celery reports WorkerLostError
     try:
         if turn.usage().oom_kills:
             return reasons.OOM
