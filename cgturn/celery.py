@@ -8,14 +8,13 @@ table); in short: the pool process after leaving (return, raise, soft time limit
 worker's main process (hard time limit, revoke, cold shutdown), each pool process's sentinel (the
 pool process or the whole worker died).
 
-Celery's own signals and task options only (celery/signals.py): nothing in the worker is patched. Two
-consequences, both documented: Celery's dispatcher swallows exceptions raised by receivers, so a turn
-that cannot be begun is logged (logger `cgturn.celery`) and the task runs outside any turn; and the
-one process-level change is a SIGTERM handler in each prefork pool process (installed at
-`worker_process_init`, where Celery itself resets SIGTERM): Celery terminates a task (revoke, cold
-shutdown) with SIGTERM to the pool process *before* it announces why, so the handler leaves the turn
-and lets the main process, which knows the reason, abandon it; only then does the process die of
-SIGTERM as before.
+Celery's own signals and task options only (celery/signals.py): nothing in the worker is patched, no
+signal handler is installed. Celery's dispatcher swallows exceptions raised by receivers, so a turn
+that cannot be begun is logged (logger `cgturn.celery`) and the task runs outside any turn. Celery
+terminates a task (revoke, cold shutdown, hard time limit) with SIGTERM to the pool process, which
+billiard turns into a SystemExit that unwinds the task through `task_postrun`, *before* the main
+process announces why; so the pool process leaves the turn there and waits (VERDICT_WAIT) for the
+main process to abandon it with the reason, abandoning it as a revoke itself if none comes.
 
 Celery is imported through importlib (`_celery`): Celery ships no type information, and the package
 is type-checked without the extra installed.
@@ -25,12 +24,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-import os
 import signal
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import cgturn
@@ -79,7 +76,6 @@ class Integration:
     role: str | None = None          # "main" (prefork main process), "pool" (a pool process), "solo"
     manager: "cgturn.TurnManager | None" = None
     attempt: Attempt | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
     # --- settings ---------------------------------------------------------------------------------
 
@@ -127,6 +123,9 @@ class Integration:
             return
         # SystemExit/KeyboardInterrupt leave the trace through task_postrun's `finally`, in flight.
         in_flight = sys.exc_info()[1]
+        if isinstance(in_flight, SystemExit) and _terminated(in_flight):
+            self.await_verdict(turn)
+            return
         reason = _reason_for(in_flight if isinstance(in_flight, (SystemExit, KeyboardInterrupt)) else retval, turn)
         if reason == reasons.ERROR and settings.get("on_error", "abandon") == "complete":
             turn.complete(keep_for=settings.get("keep_for"))
@@ -138,21 +137,14 @@ class Integration:
             self.ensure_manager().leave_turn()
             attempt.inside = False
 
-    def on_sigterm(self, signum: int, frame: Any) -> None:
-        """Pool process: SIGTERM from Celery's terminate (revoke, cold shutdown) mid-task."""
-        attempt = self.attempt
-        if attempt is not None:
-            self.attempt = None
-            try:
-                self.leave(attempt)
-                deadline = time.monotonic() + VERDICT_WAIT
-                while attempt.turn.state == cgturn.RUNNING and time.monotonic() < deadline:
-                    time.sleep(VERDICT_POLL)
-                attempt.turn.abandon(REVOKED, grace=0)  # skipped when the main process got there first
-            except Exception:  # noqa: BLE001 - the process must still die of its SIGTERM
-                log.exception("cgturn.celery: ending turn %s on SIGTERM failed", attempt.turn.turn_id)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+    def await_verdict(self, turn: "cgturn.Turn") -> None:
+        """Celery terminated the task (SIGTERM to this pool process: revoke, cold shutdown, hard time
+        limit) before saying why; the main process, which knows, abandons the turn right after. Wait
+        for that (bounded), then abandon it here as a revoke."""
+        deadline = time.monotonic() + VERDICT_WAIT
+        while turn.state == cgturn.RUNNING and time.monotonic() < deadline:
+            time.sleep(VERDICT_POLL)
+        turn.abandon(REVOKED, grace=0)  # skipped when the main process got there first
 
     # --- the prefork main process -----------------------------------------------------------------
 
@@ -177,6 +169,15 @@ def _task_id(chosen: Any, celery_id: str, args: Any, kwargs: Any) -> str:
     if callable(chosen):
         return str(chosen(*(args or ()), **(kwargs or {})))
     return str(chosen)
+
+
+def _terminated(exc: SystemExit) -> bool:
+    """True when this SystemExit is billiard's answer to a terminating signal (its handler raises
+    `SystemExit(signum - 256)` so that finally blocks run), not the task's own sys.exit()."""
+    fired = getattr(_celery("billiard.common"), "terminate_handler_fired", None)
+    if fired is not None:
+        return bool(fired())
+    return isinstance(exc.code, int) and exc.code + 256 in (signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP)
 
 
 def _reason_for(retval: Any, turn: "cgturn.Turn") -> str:
@@ -268,7 +269,6 @@ def _connect(it: Integration) -> None:
         it.manager = cgturn.TurnManager(sentinel=it.defaults.get("sentinel", True))  # its own, after fork
         if it.manager.sentinel_enabled:
             cgturn.attach_sentinel(it.manager)  # before any turn is entered, so it is in none
-        signal.signal(signal.SIGTERM, it.on_sigterm)
 
     def task_prerun(sender: Any = None, task_id: str = "", args: Any = None, kwargs: Any = None, **_: Any) -> None:
         if it.role in ("pool", "solo") and ours(sender):

@@ -8,6 +8,7 @@ module APP_SOURCE, written to a temporary directory.
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import signal
@@ -224,8 +225,11 @@ def start_exporter(worker: Worker, env: dict) -> None:
     proc = subprocess.Popen([PY, "-m", "cgturn", "--root", worker.root, "--state-dir", worker.state_dir, "metrics",
                              "--listen", "127.0.0.1:0"], env=env, stdout=subprocess.PIPE, text=True)
     worker.exporter = proc
-    line = proc.stdout.readline()  # the bound address, first line
-    worker.exporter_port = int(line.strip().rpartition(":")[2])
+    line = proc.stdout.readline()  # the bound address, first line: "... http://127.0.0.1:PORT/metrics"
+    match = re.search(r":(\d+)(/metrics)?\s*$", line)
+    if match is None:
+        raise RuntimeError(f"the exporter of {worker.name} printed {line!r}")
+    worker.exporter_port = int(match.group(1))
 
 
 def stop_worker(worker: Worker) -> None:
