@@ -28,7 +28,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import cgturn
 from cgturn import reasons

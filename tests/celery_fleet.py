@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from dataclasses import dataclass
 
@@ -32,8 +31,48 @@ import cgturn.celery
 app = Celery("fleet", broker=os.environ["FLEET_REDIS"], backend=os.environ["FLEET_REDIS"])
 app.conf.update(task_acks_late=False, worker_prefetch_multiplier=1, broker_connection_retry_on_startup=True,
                 result_expires=600, task_default_queue="default")
-cgturn.celery.setup(app, grace=0.2)
 OUT = os.environ["FLEET_OUT"]
+BENCH = os.environ.get("FLEET_BENCH") == "1"  # scripts/bench_celery.py: time what surrounds the task body
+_times = {}
+if BENCH:
+    from celery import signals
+
+    @signals.task_prerun.connect(weak=False)
+    def _first_prerun(task_id=None, **_):  # connected before cgturn's receivers: runs before them
+        _times[task_id] = [time.perf_counter()]
+if os.environ.get("FLEET_CGTURN", "1") == "1":
+    cgturn.celery.setup(app, grace=0.2)
+if BENCH:
+    @signals.task_postrun.connect(weak=False)
+    def _last_postrun(task_id=None, **_):  # connected after cgturn's receivers: runs after them
+        t = _times.pop(task_id, None)
+        if t is not None and len(t) == 3:
+            t.append(time.perf_counter())
+            with open(os.path.join(OUT, "bench-%d.jsonl" % os.getpid()), "a") as f:
+                f.write(json.dumps({"task": task_id, "overhead_s": (t[1] - t[0]) + (t[3] - t[2]),
+                                    "body_s": t[2] - t[1]}) + "\n")
+
+
+@app.task(bind=True, name="fleet.true")
+def run_true(self):
+    t = _times.get(self.request.id)
+    if t is not None:
+        t.append(time.perf_counter())
+    subprocess.run(["/bin/true"], check=True)
+    if t is not None:
+        t.append(time.perf_counter())
+    return True
+
+
+@app.task(bind=True, name="fleet.setsid_child")
+def setsid_child(self):
+    """A setsid child that outlives the task's pool process unless something kills it."""
+    base = os.path.join(OUT, self.request.id)
+    subprocess.run(["setsid", "-f", "sh", "-c", "echo $$ > %s.tmp; mv %s.tmp %s.child; exec sleep 300"
+                    % (base, base, base)], check=True)
+    _wait_file(base + ".child")
+    while True:
+        time.sleep(0.05)
 
 DOUBLE_FORK_SERVER = """
 import os, socket, sys, time
@@ -124,6 +163,17 @@ def limited(self, mode):
 def session(self, session, mode):
     return behave(self, mode)
 '''
+
+
+def need_tool(name: str, package: str) -> None:
+    """Skip without `name` (fail in CI, whose .ci/run installs it: a skip there would hide the tests)."""
+    if shutil.which(name) is None:
+        import pytest
+
+        message = f"{name} is not installed (Debian package {package}; .ci/run installs it)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
 
 
 def free_port() -> int:
@@ -286,11 +336,3 @@ def kill_turns(worker: Worker, reason: str) -> None:
     mgr = worker.manager()
     for task in {t.task for t in mgr.turns()}:
         mgr.end_task(task, reason=reason, grace=0)
-
-
-def wait_for(timeout: float, predicate, *, interval: float = 0.02) -> bool:
-    return wait_until(predicate, timeout=timeout, interval=interval)
-
-
-def now() -> float:
-    return time.monotonic()

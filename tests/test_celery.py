@@ -16,8 +16,8 @@ pytest.importorskip("redis", reason="redis-py is not installed (pip install '.[c
 import cgturn  # noqa: E402
 import cgturn.celery as cc  # noqa: E402
 from celery_fleet import (  # noqa: E402
-    APP_SOURCE, Redis, all_gone, fleet_env, kill_turns, reap_orphans, spawned, start_worker, stop_worker,
-    survivors)
+    APP_SOURCE, Redis, all_gone, fleet_env, kill_turns, need_tool, reap_orphans, spawned, start_worker,
+    stop_worker, survivors)
 from conftest import alive, audit_records, need_cgroup2, wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.cgroup2, pytest.mark.root]
@@ -30,6 +30,7 @@ def fleet(tmp_path_factory):
     mount = need_cgroup2()
     if os.geteuid() != 0:
         pytest.skip("needs root")
+    need_tool("redis-server", "redis-server")
     tmp = str(tmp_path_factory.mktemp("celery"))
     out = os.path.join(tmp, "out")
     os.makedirs(out)

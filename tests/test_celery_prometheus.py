@@ -18,8 +18,8 @@ celery = pytest.importorskip("celery", reason="the celery extra is not installed
 pytest.importorskip("redis", reason="redis-py is not installed (pip install '.[celery]')")
 
 from celery_fleet import (  # noqa: E402
-    APP_SOURCE, Redis, all_gone, fleet_env, free_port, listening, reap_orphans, spawned, start_exporter,
-    start_worker, stop_process, stop_worker, survivors)
+    APP_SOURCE, Redis, all_gone, fleet_env, free_port, listening, need_tool, reap_orphans, spawned,
+    start_exporter, start_worker, stop_process, stop_worker, survivors)
 from conftest import REPO, audit_records, need_cgroup2, wait_until  # noqa: E402
 
 RULES_DIR = os.path.join(REPO, "contrib", "prometheus")
@@ -27,8 +27,7 @@ pytestmark = [pytest.mark.cgroup2, pytest.mark.root]
 
 
 def test_the_shipped_rules_pass_promtool():
-    if shutil.which("promtool") is None:
-        pytest.skip("promtool (Debian package prometheus) is not installed")
+    need_tool("promtool", "prometheus")
     out = subprocess.run(["promtool", "test", "rules", "cgturn-rules.test.yml"], cwd=RULES_DIR,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -83,6 +82,8 @@ def test_prometheus_sees_the_fleet_as_the_audit_logs_do(tmp_path):
     mount = need_cgroup2()
     if os.geteuid() != 0:
         pytest.skip("needs root")
+    need_tool("redis-server", "redis-server")
+    need_tool("prometheus", "prometheus")
     tmp = str(tmp_path)
     out = os.path.join(tmp, "out")
     os.makedirs(out)
