@@ -27,7 +27,7 @@ import logging
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import cgturn
@@ -76,13 +76,17 @@ class Integration:
     role: str | None = None          # "main" (prefork main process), "pool" (a pool process), "solo"
     manager: "cgturn.TurnManager | None" = None
     attempt: Attempt | None = None
+    per_task: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     # --- settings ---------------------------------------------------------------------------------
 
     def settings(self, task: Any) -> dict[str, Any]:
-        """The worker-wide defaults overlaid with the task's own `cgturn={...}` option."""
-        merged = dict(self.defaults)
-        merged.update(check_settings(getattr(task, OPTION, None) or {}, f"task {task.name}"))
+        """The worker-wide defaults overlaid with the task's own `cgturn={...}` option (checked once)."""
+        merged = self.per_task.get(task.name)
+        if merged is None:
+            merged = dict(self.defaults)
+            merged.update(check_settings(getattr(task, OPTION, None) or {}, f"task {task.name}"))
+            self.per_task[task.name] = merged
         return merged
 
     def ensure_manager(self) -> "cgturn.TurnManager":

@@ -41,7 +41,7 @@ if BENCH:
     def _first_prerun(task_id=None, **_):  # connected before cgturn's receivers: runs before them
         _times[task_id] = [time.perf_counter()]
 if os.environ.get("FLEET_CGTURN", "1") == "1":
-    cgturn.celery.setup(app, grace=0.2)
+    cgturn.celery.setup(app, grace=0.2, **json.loads(os.environ.get("FLEET_DEFAULTS", "{}")))
 if BENCH:
     @signals.task_postrun.connect(weak=False)
     def _last_postrun(task_id=None, **_):  # connected after cgturn's receivers: runs after them

@@ -240,8 +240,8 @@ def test_a_task_past_its_memory_limit_in_the_pool_process_is_an_audited_oom(flee
 def lone_worker(fleet):
     started = []
 
-    def start(name, **kw):
-        w = start_worker(name, fleet.env, fleet.mount, fleet.tmp, **kw)
+    def start(name, env=None, **kw):
+        w = start_worker(name, env or fleet.env, fleet.mount, fleet.tmp, **kw)
         started.append(w)
         return w
     yield start
@@ -291,6 +291,21 @@ def test_a_warm_shutdown_lets_the_task_finish_and_complete(fleet, lone_worker, l
     assert turn_states(w, res.id) == {f"{res.id}#0": cgturn.COMPLETED}
     w.manager().end_task(res.id, grace=0)
     assert all_gone(what), survivors(what)
+
+
+def test_worker_wide_defaults_and_the_task_option_set_the_turn_limits(fleet, lone_worker, leftovers):
+    env = dict(fleet.env, FLEET_DEFAULTS='{"pids_max": 50, "memory_max": 268435456}')
+    w = lone_worker("l", env=env)
+    plain = fleet.send("fleet.work", "hang", queue="l")
+    limited = fleet.send("fleet.limited", "hang", queue="l")
+    leftovers.extend([spawned(fleet.out, plain.id), spawned(fleet.out, limited.id)])
+    mgr = w.manager()
+    assert mgr.turn(plain.id, f"{plain.id}#0").limits() == cgturn.Limits(memory_max=256 << 20, pids_max=50)
+    assert mgr.turn(limited.id, f"{limited.id}#0").limits() == cgturn.Limits(memory_max=96 << 20, pids_max=64)
+    for res in (plain, limited):
+        fleet.client.control.revoke(res.id, terminate=True)
+    for what in leftovers:
+        assert all_gone(what), survivors(what)
 
 
 # --- pools ------------------------------------------------------------------------------------------------------
