@@ -30,7 +30,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-from celery_fleet import APP_SOURCE, Redis, fleet_env, start_worker, stop_worker  # noqa: E402
+from celery_fleet import Redis, fleet_env, start_worker, stop_worker, write_app  # noqa: E402
 from conftest import alive, need_cgroup2, wait_until  # noqa: E402
 
 
@@ -87,10 +87,7 @@ def main() -> int:
 
     mount = need_cgroup2()
     tmp = tempfile.mkdtemp(prefix="cgturn-bench-celery-")
-    out = os.path.join(tmp, "out")
-    os.makedirs(out)
-    with open(os.path.join(tmp, "fleet_app.py"), "w") as f:
-        f.write(APP_SOURCE)
+    out = write_app(tmp)
     redis = Redis(tmp)
     workers = []
     try:

@@ -176,6 +176,15 @@ def need_tool(name: str, package: str) -> None:
         pytest.skip(message)
 
 
+def write_app(tmp: str) -> str:
+    """Write the app module into `tmp` and make the directory tasks report to; returns that directory."""
+    out = os.path.join(tmp, "out")
+    os.makedirs(out)
+    with open(os.path.join(tmp, "fleet_app.py"), "w") as f:
+        f.write(APP_SOURCE)
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

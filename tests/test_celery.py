@@ -16,8 +16,8 @@ pytest.importorskip("redis", reason="redis-py is not installed (pip install '.[c
 import cgturn  # noqa: E402
 import cgturn.celery as cc  # noqa: E402
 from celery_fleet import (  # noqa: E402
-    APP_SOURCE, Redis, all_gone, fleet_env, kill_turns, need_tool, reap_orphans, spawned, start_worker,
-    stop_worker, survivors)
+    Redis, all_gone, fleet_env, kill_turns, need_tool, reap_orphans, spawned, start_worker,
+    stop_worker, survivors, write_app)
 from conftest import alive, audit_records, need_cgroup2, wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.cgroup2, pytest.mark.root]
@@ -32,10 +32,7 @@ def fleet(tmp_path_factory):
         pytest.skip("needs root")
     need_tool("redis-server", "redis-server")
     tmp = str(tmp_path_factory.mktemp("celery"))
-    out = os.path.join(tmp, "out")
-    os.makedirs(out)
-    with open(os.path.join(tmp, "fleet_app.py"), "w") as f:
-        f.write(APP_SOURCE)
+    out = write_app(tmp)
     redis = Redis(tmp)
     workers = []
     try:
@@ -88,13 +85,36 @@ def turn_states(worker, celery_id: str, settled: bool = True) -> dict[str, str]:
     return states()
 
 
+def everything(what: dict) -> set[str]:
+    """What survivors() lists while all the task started is alive."""
+    return {"daemon", "server", "busy", f"port {what['port']}"}
+
+
+def running_task(fleet, leftovers, queue: str, mode: str = "hang", name: str = "fleet.work", **options) -> tuple:
+    """Send a task; returns (result, what it started) once all of it runs."""
+    res = fleet.send(name, mode, queue=queue, **options)
+    what = spawned(fleet.out, res.id)
+    leftovers.append(what)
+    return res, what
+
+
+def failed_task(fleet, leftovers, name: str, mode: str, error, queue: str = "a") -> tuple:
+    """Send a task that fails; returns (result, what it started) once the client saw the failure."""
+    res = fleet.send(name, mode, queue=queue)
+    with pytest.raises(error[0], match=error[1]):
+        res.get(timeout=RESULT_TIMEOUT)
+    what = spawned(fleet.out, res.id)
+    leftovers.append(what)
+    return res, what
+
+
 # --- returns: the turn completes, its server lives until end_task or its lease ------------------------
 
 def test_return_completes_and_the_server_lives_until_end_task(fleet, leftovers):
     res = fleet.send("fleet.work", "return")
     what = res.get(timeout=RESULT_TIMEOUT)
     leftovers.append(what)
-    assert set(survivors(what)) == {"daemon", "server", "busy", f"port {what['port']}"}
+    assert set(survivors(what)) == everything(what)
     assert turn_states(fleet.a, res.id) == {f"{res.id}#0": cgturn.COMPLETED}
     assert what["pool"] not in fleet.a.manager().turn(res.id, f"{res.id}#0").pids()  # the pool process left
     fleet.a.manager().end_task(res.id, grace=0)
@@ -122,23 +142,15 @@ def test_the_task_key_can_come_from_the_arguments(fleet, leftovers):
 # --- raises: abandon by default, complete when the task says so -----------------------------------------
 
 def test_a_raising_task_is_abandoned_by_default(fleet, leftovers):
-    res = fleet.send("fleet.work", "raise")
-    with pytest.raises(RuntimeError):
-        res.get(timeout=RESULT_TIMEOUT)
-    what = spawned(fleet.out, res.id)
-    leftovers.append(what)
+    res, what = failed_task(fleet, leftovers, "fleet.work", "raise", (RuntimeError, "the task failed"))
     assert all_gone(what), survivors(what)
     assert wait_reason(fleet.a, res.id) == ["error"]
     assert alive(what["pool"])  # the worker's pool process lives on
 
 
 def test_on_error_complete_keeps_what_a_raising_task_started(fleet, leftovers):
-    res = fleet.send("fleet.lenient", "raise")
-    with pytest.raises(RuntimeError):
-        res.get(timeout=RESULT_TIMEOUT)
-    what = spawned(fleet.out, res.id)
-    leftovers.append(what)
-    assert set(survivors(what)) == {"daemon", "server", "busy", f"port {what['port']}"}
+    res, what = failed_task(fleet, leftovers, "fleet.lenient", "raise", (RuntimeError, "the task failed"))
+    assert set(survivors(what)) == everything(what)
     fleet.a.manager().end_task(res.id, grace=0)
     assert all_gone(what), survivors(what)
 
@@ -150,7 +162,7 @@ def test_a_retry_gets_a_turn_of_its_own(fleet, leftovers):
     leftovers.extend([first, second])
     assert all_gone(first), survivors(first)
     assert turn_states(fleet.b, res.id) == {f"{res.id}#1": cgturn.COMPLETED}
-    assert set(survivors(second)) == {"daemon", "server", "busy", f"port {second['port']}"}
+    assert set(survivors(second)) == everything(second)
     assert wait_reason(fleet.b, res.id) == ["error"]
     fleet.b.manager().end_task(res.id, grace=0)
     assert all_gone(second), survivors(second)
@@ -158,74 +170,54 @@ def test_a_retry_gets_a_turn_of_its_own(fleet, leftovers):
 
 # --- endings Celery decides: every one leaves nothing, with its reason ---------------------------------------
 
-def test_revoke_terminate_kills_everything_the_task_started(fleet, leftovers):
-    res = fleet.send("fleet.work", "hang")
-    what = spawned(fleet.out, res.id)
-    leftovers.append(what)
+def revoke(fleet, res, what):
     fleet.client.control.revoke(res.id, terminate=True)
-    assert all_gone(what), survivors(what)
-    assert wait_reason(fleet.a, res.id) == [cc.REVOKED]
 
 
-def test_the_soft_time_limit_abandons_with_its_reason(fleet, leftovers):
-    res = fleet.send("fleet.work", "hang", queue="b", soft_time_limit=1.5)
-    what = spawned(fleet.out, res.id)
-    leftovers.append(what)
-    with pytest.raises(Exception, match="SoftTimeLimitExceeded|SoftTimeLimit"):
-        res.get(timeout=RESULT_TIMEOUT)
-    assert all_gone(what), survivors(what)
-    assert wait_reason(fleet.b, res.id) == [cc.TIME_LIMIT]
-    assert alive(what["pool"])
-
-
-def test_the_hard_time_limit_abandons_with_its_reason(fleet, leftovers):
-    res = fleet.send("fleet.work", "hang", time_limit=1.5)
-    what = spawned(fleet.out, res.id)
-    leftovers.append(what)
-    with pytest.raises(Exception, match="TimeLimitExceeded"):
-        res.get(timeout=RESULT_TIMEOUT)
-    assert all_gone(what), survivors(what)
-    assert wait_reason(fleet.a, res.id) == [cc.TIME_LIMIT]
-
-
-def test_a_sigkilled_pool_process_is_abandoned_by_its_sentinel(fleet, leftovers):
-    res = fleet.send("fleet.work", "hang", queue="b")
-    what = spawned(fleet.out, res.id)
-    leftovers.append(what)
+def kill_pool_process(fleet, res, what):
     os.kill(what["pool"], signal.SIGKILL)  # a pool process of a worker this test started
-    assert all_gone(what), survivors(what)
-    assert wait_reason(fleet.b, res.id) == ["owner-died"]
 
 
-def test_a_pool_process_that_exits_mid_task_is_worker_lost(fleet, leftovers):
-    res = fleet.send("fleet.work", "exit")
-    what = spawned(fleet.out, res.id)
-    leftovers.append(what)
-    with pytest.raises(Exception, match="WorkerLost|exited prematurely"):
-        res.get(timeout=RESULT_TIMEOUT)
+# (name, mode, queue, send options, what the test does once the task runs, the error the client
+# gets or None, the audited reason)
+ENDINGS = [
+    ("revoke-terminate", "hang", "a", {}, revoke, None, cc.REVOKED),
+    ("soft-time-limit", "hang", "b", {"soft_time_limit": 1.5}, None, "SoftTimeLimitExceeded", cc.TIME_LIMIT),
+    ("hard-time-limit", "hang", "a", {"time_limit": 1.5}, None, "TimeLimitExceeded", cc.TIME_LIMIT),
+    ("pool-process-sigkill", "hang", "b", {}, kill_pool_process, None, "owner-died"),
+    ("sys-exit-mid-task", "exit", "a", {}, None, "WorkerLost|exited prematurely", cc.WORKER_LOST),
+]
+
+
+@pytest.mark.parametrize("mode, queue, options, action, error, reason", [e[1:] for e in ENDINGS],
+                         ids=[e[0] for e in ENDINGS])
+def test_an_ending_celery_decides_leaves_nothing_and_says_why(fleet, leftovers, mode, queue, options, action,
+                                                               error, reason):
+    res, what = running_task(fleet, leftovers, queue, mode, **options)
+    if action is not None:
+        action(fleet, res, what)
+    if error is not None:
+        with pytest.raises(Exception, match=error):
+            res.get(timeout=RESULT_TIMEOUT)
     assert all_gone(what), survivors(what)
-    assert wait_reason(fleet.a, res.id) == [cc.WORKER_LOST]
+    worker = fleet.a if queue == "a" else fleet.b
+    assert wait_reason(worker, res.id) == [reason]
+    if reason == cc.TIME_LIMIT and "soft_time_limit" in options:
+        assert alive(what["pool"])  # the soft limit is the task's exception: its pool process lives on
 
 
 # --- memory: the task's limit, not the worker's ---------------------------------------------------------------
 
 def test_a_child_past_the_memory_limit_gives_an_oom_reason(fleet, leftovers):
-    res = fleet.send("fleet.limited", "oom-child", queue="b")
-    with pytest.raises(Exception, match="died with|non-zero exit"):
-        res.get(timeout=RESULT_TIMEOUT)
-    what = spawned(fleet.out, res.id)
-    leftovers.append(what)
+    res, what = failed_task(fleet, leftovers, "fleet.limited", "oom-child", (Exception, "died with|non-zero exit"),
+                            queue="b")
     assert all_gone(what), survivors(what)
     assert wait_reason(fleet.b, res.id) == ["oom"]
     assert alive(what["pool"])  # the pool process's own memory was not the task's
 
 
 def test_a_task_past_its_memory_limit_in_the_pool_process_is_an_audited_oom(fleet, leftovers):
-    res = fleet.send("fleet.limited", "oom-self")
-    with pytest.raises(Exception, match="WorkerLost|exited prematurely"):
-        res.get(timeout=RESULT_TIMEOUT)
-    what = spawned(fleet.out, res.id)
-    leftovers.append(what)
+    res, what = failed_task(fleet, leftovers, "fleet.limited", "oom-self", (Exception, "WorkerLost|exited prematurely"))
     assert all_gone(what), survivors(what)
     assert wait_reason(fleet.a, res.id) in (["owner-died"], [cc.WORKER_LOST])
     assert wait_until(lambda: any(r.get("action") == "limit" and r.get("reason") == "oom"
@@ -251,9 +243,7 @@ def lone_worker(fleet):
 
 def test_a_sigkilled_worker_leaves_nothing_behind(fleet, lone_worker, leftovers):
     w = lone_worker("k")
-    res = fleet.send("fleet.work", "hang", queue="k")
-    what = spawned(fleet.out, res.id)
-    leftovers.append(what)
+    res, what = running_task(fleet, leftovers, "k", "hang")
     import psutil
 
     pool = psutil.Process(w.proc.pid).children()
@@ -270,9 +260,7 @@ def test_a_sigkilled_worker_leaves_nothing_behind(fleet, lone_worker, leftovers)
 
 def test_a_cold_shutdown_abandons_the_running_task(fleet, lone_worker, leftovers):
     w = lone_worker("c")
-    res = fleet.send("fleet.work", "hang", queue="c")
-    what = spawned(fleet.out, res.id)
-    leftovers.append(what)
+    res, what = running_task(fleet, leftovers, "c", "hang")
     w.proc.send_signal(signal.SIGQUIT)
     w.proc.wait(timeout=30)
     assert all_gone(what), survivors(what)
@@ -281,13 +269,11 @@ def test_a_cold_shutdown_abandons_the_running_task(fleet, lone_worker, leftovers
 
 def test_a_warm_shutdown_lets_the_task_finish_and_complete(fleet, lone_worker, leftovers):
     w = lone_worker("w")
-    res = fleet.send("fleet.work", "sleep-then-return", queue="w")
-    first = spawned(fleet.out, res.id)
-    leftovers.append(first)
+    res, first = running_task(fleet, leftovers, "w", "sleep-then-return")
     w.proc.send_signal(signal.SIGTERM)
     what = res.get(timeout=RESULT_TIMEOUT)
     w.proc.wait(timeout=30)
-    assert set(survivors(what)) == {"daemon", "server", "busy", f"port {what['port']}"}
+    assert set(survivors(what)) == everything(what)
     assert turn_states(w, res.id) == {f"{res.id}#0": cgturn.COMPLETED}
     w.manager().end_task(res.id, grace=0)
     assert all_gone(what), survivors(what)

@@ -18,8 +18,8 @@ celery = pytest.importorskip("celery", reason="the celery extra is not installed
 pytest.importorskip("redis", reason="redis-py is not installed (pip install '.[celery]')")
 
 from celery_fleet import (  # noqa: E402
-    APP_SOURCE, Redis, all_gone, fleet_env, free_port, listening, need_tool, reap_orphans, spawned,
-    start_exporter, start_worker, stop_process, stop_worker, survivors)
+    Redis, all_gone, fleet_env, free_port, listening, need_tool, reap_orphans, spawned,
+    start_exporter, start_worker, stop_process, stop_worker, survivors, write_app)
 from conftest import REPO, audit_records, need_cgroup2, wait_until  # noqa: E402
 
 RULES_DIR = os.path.join(REPO, "contrib", "prometheus")
@@ -85,10 +85,7 @@ def test_prometheus_sees_the_fleet_as_the_audit_logs_do(tmp_path):
     need_tool("redis-server", "redis-server")
     need_tool("prometheus", "prometheus")
     tmp = str(tmp_path)
-    out = os.path.join(tmp, "out")
-    os.makedirs(out)
-    with open(os.path.join(tmp, "fleet_app.py"), "w") as f:
-        f.write(APP_SOURCE)
+    out = write_app(tmp)
     redis = Redis(tmp)
     workers, reports, prom = [], [], None
     try:
