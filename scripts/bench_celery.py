@@ -21,6 +21,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -131,6 +132,7 @@ def main() -> int:
         for w in workers:
             stop_worker(w)
         redis.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
