@@ -113,7 +113,11 @@ class Integration:
                 continue
         else:
             raise cgturn.TurnExists(f"task {celery_id}: 100 turns of attempt {retries} exist")
-        turn.enter()
+        try:
+            turn.enter()
+        except BaseException:
+            turn.abandon(reasons.ERROR, grace=0)  # not left running, guarded, for a task outside it
+            raise
         self.attempt = Attempt(celery_id, turn, settings)
 
     def end(self, state: str, retval: Any) -> None:
