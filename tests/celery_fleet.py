@@ -159,6 +159,11 @@ def limited(self, mode):
     return behave(self, mode)
 
 
+@app.task(bind=True, name="fleet.tight", cgturn={"memory_max": 32 << 20})
+def tight(self, mode):
+    return behave(self, mode)
+
+
 @app.task(bind=True, name="fleet.session", cgturn={"task": lambda session, mode: "session:" + session})
 def session(self, session, mode):
     return behave(self, mode)

@@ -216,6 +216,22 @@ def test_a_child_past_the_memory_limit_gives_an_oom_reason(fleet, leftovers):
     assert alive(what["pool"])  # the pool process's own memory was not the task's
 
 
+def test_the_pool_process_memory_is_not_charged_to_the_task(fleet, leftovers):
+    import psutil
+
+    res = fleet.send("fleet.tight", "return", queue="b")
+    what = res.get(timeout=RESULT_TIMEOUT)
+    leftovers.append(what)
+    rss = psutil.Process(what["pool"]).memory_info().rss
+    assert rss > 32 << 20, f"the pool process uses only {rss} bytes: the test proves nothing here"
+    mgr = fleet.b.manager()
+    turn = mgr.turn(res.id, f"{res.id}#0")
+    assert turn.usage().oom_kills == 0  # a 32 MiB limit held a task whose pool process is larger
+    assert set(survivors(what)) == everything(what)
+    mgr.end_task(res.id, grace=0)
+    assert all_gone(what), survivors(what)
+
+
 def test_a_task_past_its_memory_limit_in_the_pool_process_is_an_audited_oom(fleet, leftovers):
     res, what = failed_task(fleet, leftovers, "fleet.limited", "oom-self", (Exception, "WorkerLost|exited prematurely"))
     assert all_gone(what), survivors(what)
