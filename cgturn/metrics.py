@@ -15,11 +15,12 @@ import os
 import threading
 from typing import Callable, Iterable
 
+import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
 from . import audit
-from .model import STATES, TurnInfo
+from .model import RUNNING, STATES, TurnInfo
 
 # Upper bounds (seconds) of the abandon-latency histogram: a cgroup.kill lands in ms, a grace period
 # adds seconds.
@@ -173,8 +174,19 @@ class TurnCollector:
                                 "Memory of a turn (memory.current, else summed RSS).", labels=["task", "turn"])
         ports = GaugeMetricFamily("cgturn_turn_listening_ports", "Listening sockets of a turn.",
                                   labels=["task", "turn"])
+        lease = GaugeMetricFamily("cgturn_turn_lease_expiry_timestamp_seconds",
+                                  "When a completed turn's survivors' lease expires (Unix time).",
+                                  labels=["task", "turn"])
+        owner_gone = GaugeMetricFamily("cgturn_turns_owner_gone",
+                                       "Running turns whose owner process no longer exists: nobody (no "
+                                       "sentinel) abandoned them.")
+        gone = 0
         for info in turns:
             counts[info.state] = counts.get(info.state, 0) + 1
+            if info.expires_at is not None:
+                lease.add_metric([info.task, info.turn], info.expires_at)
+            if info.state == RUNNING and info.owner_pid is not None and not psutil.pid_exists(info.owner_pid):
+                gone += 1  # a reused pid counts as alive: the gauge can only under-report
             procs.add_metric([info.task, info.turn, info.state], len(info.pids))
             cpu.add_metric([info.task, info.turn], info.cpu_seconds)
             if info.memory_bytes is not None:
@@ -182,7 +194,8 @@ class TurnCollector:
             ports.add_metric([info.task, info.turn], len(info.ports))
         for state, n in counts.items():
             by_state.add_metric([state], n)
-        yield from (by_state, procs, cpu, mem, ports)
+        owner_gone.add_metric([], gone)
+        yield from (by_state, procs, cpu, mem, ports, lease, owner_gone)
         yield from _governance_metrics(turns)
         yield from self._audit_metrics()
 
