@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     import types
 
     from .gates import SpawnGates
+    from .shim import ShimHooks
     from .spawn_options import SpawnTarget
 
 log = logging.getLogger("cgturn")
@@ -79,8 +80,8 @@ class Cgroup2Backend(Backend):
         self._layout: Layout | None = None
         self._layout_recorded = False
         self.isolation = TurnIsolation(self.load, self.killer.under)  # sealing, network namespaces
-        # (task_key, turn_key, v1_dirs) -> the turn's SpawnTarget (fixed for the turn's life)
-        self._spawn_targets: dict[tuple[str, str, bool], SpawnTarget] = {}
+        # (task_key, turn_key, v1_dirs) -> the turn's SpawnTarget and shim hooks (fixed for its life)
+        self._spawn_targets: dict[tuple[str, str, bool], tuple[SpawnTarget, ShimHooks]] = {}
 
     @property
     def gates(self) -> "SpawnGates":
@@ -227,18 +228,20 @@ class Cgroup2Backend(Backend):
 
     def spawn(self, record, argv, popen_kwargs) -> "subprocess.Popen":
         spawn_paths = _spawn_paths()
-        task, turn = record.task_key, record.turn_key
-        hooks = spawn_paths.ShimHooks(gates=lambda: self.gates, join_v1=lambda pid: self.layout.join_v1(pid, task, turn),
-                                      network_fd=lambda: self.isolation.network_fd(record, self._cg(record)))
-        return spawn_paths.spawn(record, self._spawn_target(record), self.meta, hooks, argv, popen_kwargs)
+        target, hooks = self._spawn_target(record, spawn_paths)
+        return spawn_paths.spawn(record, target, self.meta, hooks, argv, popen_kwargs)
 
-    def _spawn_target(self, record: TurnRecord) -> "SpawnTarget":
+    def _spawn_target(self, record: TurnRecord, spawn_paths) -> "tuple[SpawnTarget, ShimHooks]":
+        """The turn's SpawnTarget and the shim's hooks into this backend, made once per turn."""
         key = (record.task_key, record.turn_key, record.v1_dirs)
         found = self._spawn_targets.get(key)
         if found is None:
-            v1 = [f"{d}/cgroup.procs" for d in self.layout.v1_dirs(record.task_key, record.turn_key).values()] \
-                if record.v1_dirs else []
-            found = _spawn_paths().target(self._cg(record).path, v1, self.env_for(record))
+            task, turn, cg = record.task_key, record.turn_key, self._cg(record)
+            v1 = [f"{d}/cgroup.procs" for d in self.layout.v1_dirs(task, turn).values()] if record.v1_dirs else []
+            hooks = spawn_paths.ShimHooks(gates=lambda: self.gates,
+                                          join_v1=lambda pid: self.layout.join_v1(pid, task, turn),
+                                          network_fd=lambda: self.isolation.network_fd(record, cg))
+            found = (spawn_paths.target(cg.path, v1, self.env_for(record)), hooks)
             if len(self._spawn_targets) >= SPAWN_TARGETS_MAX:
                 self._spawn_targets.clear()
             self._spawn_targets[key] = found
