@@ -6,10 +6,8 @@ are on its `TurnControl` (`manager._control`, cgturn.control), limits on its `Go
 (cgturn.governance), listing in cgturn.listing, recovery in cgturn.recovery. What a turn is comes from
 the directory (or registry row) it was resolved to, never from a record's claims: a record that does
 not agree with its directory reads as a CORRUPT turn, which any abandon kills.
-
-A little over 350 lines: what is left here is the API applications call, each method with its
-documentation; the work is in the modules above.
 """
+# size: a little over 350 lines: the API applications call, each method with its documentation; the work is in the modules it composes.
 from __future__ import annotations
 
 import os

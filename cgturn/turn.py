@@ -1,8 +1,6 @@
 """A Turn: one unit of work of a task, the handle its owner holds. Made by the TurnManager only.
-
-A little over 350 lines, all of it the handle's public methods and their documentation: what they do
-is the manager's TurnControl's (cgturn.control) and the backend's.
 """
+# size: a little over 350 lines, all of them the handle's public methods and their documentation; the work is in TurnControl and the backend.
 from __future__ import annotations
 
 import dataclasses
