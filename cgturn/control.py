@@ -72,3 +72,8 @@ class TurnControl:
 
     def spawn_keyed(self, rec: Any, argv: Any, key: str, popen_kwargs: dict[str, Any]) -> Any:
         return self._m.spawn_keyed(rec, argv, key, popen_kwargs)
+
+    def backend(self) -> Any:
+        """The manager's backend, for the one ownership-layer module that reads backend state on the
+        supervision layer's behalf (cgturn.probes: the guard's state on the managed root)."""
+        return self._m.backend

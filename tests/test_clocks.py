@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from cgturn import RUNNING, Supervisor, attach_sentinel
-from cgturn.clocks import PausedTime, frozen_total
+from cgturn.clocks import FrozenTime, frozen_total
 from cgturn.model import TurnRecord
 from conftest import audit_records, wait_until
 
@@ -45,7 +45,7 @@ def test_sentinel_clock_stops_while_the_turn_is_frozen(manager):
     proc = turn.spawn(["sleep", "300"])
     client = attach_sentinel(manager)
     turn.freeze()
-    client.guard(turn, inactivity=1.0, grace=0.0)
+    client.track(turn, inactivity=1.0, grace=0.0)
     # Frozen for twice its inactivity timeout (plus the sentinel's slack): still running.
     assert not wait_until(lambda: turn.state != RUNNING, timeout=FROZEN_FOR)
     turn.thaw()
@@ -70,7 +70,7 @@ def test_frozen_total(rec, now, total):
 
 
 def test_paused_time_credits_only_frozen_time_after_the_last_activity():
-    paused = PausedTime(seen=1.0)  # frozen for 1 s before the clocks started: not theirs
+    paused = FrozenTime(seen=1.0)  # frozen for 1 s before the clocks started: not theirs
     paused.look(total=3.0, last_activity=10.0, since_activity=5.0)
     assert (paused.deadline, paused.idle_credit(10.0)) == (2.0, 2.0)
     paused.look(total=4.0, last_activity=10.0, since_activity=6.0)

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from cgturn import TurnManager, attach_sentinel
-from cgturn.sentinel import SLACK
+from cgturn.sentinel_server import SLACK
 from conftest import (DAEMON_AND_WAIT, PY, alive, audit_reasons, cgturn_env, cgturn_popen, destroy_cgroup_tree,
                       kill_scope, need_cgroup2, wait_until)
 
