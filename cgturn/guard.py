@@ -100,6 +100,9 @@ class PressureGuard:
         Args:
             manager: a TurnManager of the managed root.
             owner_pid: the process whose cgroup `watch="owner"` means (default: this one).
+
+        Returns:
+            A cgturn.guard_runner.GuardRunner.
         """
         from .guard_runner import GuardRunner
 

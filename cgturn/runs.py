@@ -95,8 +95,9 @@ def abandon_disconnected(run: Run, grace: float = 2.0) -> AbandonResult | None:
 
 
 async def aabandon_disconnected(run: Run, grace: float = 2.0) -> AbandonResult | None:
-    """`abandon_disconnected` for asyncio: the kill and its grace run in a worker thread, so a process
-    that ignores SIGTERM never stalls the event loop.
+    """`abandon_disconnected` for asyncio, the kill and its grace in a worker thread.
+
+    A process that ignores SIGTERM never stalls the event loop then.
 
     Args:
         run, grace: as `abandon_disconnected`.

@@ -176,8 +176,9 @@ class SentinelClient:
 
     def track(self, turn: Any, deadline: float | None = None, inactivity: float | None = None,
               grace: float = 2.0) -> None:
-        """Ask the sentinel to abandon `turn` at a deadline or after a time without a touch; with
-        neither, it is abandoned only when the owner dies.
+        """Ask the sentinel to abandon `turn` at a deadline or after a time without a touch.
+
+        With neither, the turn is abandoned only when the owner dies.
 
         Args:
             turn: the Turn (its ids and `last_activity` are sent).
@@ -201,11 +202,19 @@ class SentinelClient:
     # TurnManager listener hooks -------------------------------------------------------------------
 
     def turn_begun(self, turn: Any) -> None:
-        """Listener hook: a turn began; track it for owner death."""
+        """Listener hook: a turn began; track it for owner death.
+
+        Args:
+            turn: the Turn.
+        """
         self.track(turn, grace=0.0)
 
     def turn_touched(self, turn: Any) -> None:
-        """Listener hook: forward the activity, at most once per TOUCH_INTERVAL per turn, never blocking."""
+        """Listener hook: forward the activity, at most once per TOUCH_INTERVAL per turn, never blocking.
+
+        Args:
+            turn: the Turn touched (its `last_activity` is sent).
+        """
         names = (turn.task_id, turn.turn_id)
         now = turn.last_activity
         if now - self._last_touch.get(names, float("-inf")) < TOUCH_INTERVAL:
@@ -214,11 +223,19 @@ class SentinelClient:
             self._last_touch[names] = now
 
     def lease_set(self, rec: Any) -> None:
-        """Listener hook: a completed turn's lease was set or moved."""
+        """Listener hook: a completed turn's lease was set or moved.
+
+        Args:
+            rec: the turn's record (its `expires_at` is sent).
+        """
         self._send(protocol.lease(rec.task_key, rec.turn_key, rec.expires_at), block=True)
 
     def turn_ended(self, event: Any) -> None:
-        """Listener hook: a turn ended; the sentinel forgets its clocks."""
+        """Listener hook: a turn ended; the sentinel forgets its clocks.
+
+        Args:
+            event: the TurnEnded event.
+        """
         self._send(protocol.untrack(event.task_key, event.turn_key), block=True)
         # Forget rate-limit stamps of long-idle turns, so the dict does not grow with every turn;
         # at most once a second, not a pass over every touched turn at every completion.
@@ -233,7 +250,12 @@ class SentinelClient:
         self.close()
 
     def close(self, wait: float = CLOSE_WAIT) -> None:
-        """Close the channel (the sentinel sees EOF); wait up to `wait` s for it to exit if idle."""
+        """Close the channel (the sentinel sees EOF) and wait for an idle sentinel to exit.
+
+        Args:
+            wait: seconds to wait; a sentinel still tracking running turns of a live owner stays, and
+                exits once they end.
+        """
         if self.closed:
             return
         self.closed = True

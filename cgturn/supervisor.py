@@ -87,6 +87,10 @@ class Supervisor:
             kill, an exception kills anyway (fail open).
         run: API-server markers to set while the worker runs and clear the instant it finishes.
         use_sentinel: also register the deadlines with the manager's sentinel (when enabled there).
+
+    Raises:
+        ValueError: timeout or deadline not > 0, grace < 0.
+        NoSuchTurn: the turn is not running.
     """
 
     def __init__(self, turn: Turn, *, timeout: float | None = None, deadline: float | None = None, grace: float = 2.0,
@@ -135,12 +139,21 @@ class Supervisor:
     # --- running the worker ---------------------------------------------------------------------
 
     async def run(self, worker: Any, *args: Any) -> Outcome:
-        """Run `worker(*args)` — a coroutine function (or awaitable), or a blocking callable run in
-        the loop's default executor — until it finishes or the turn is abandoned.
+        """Run the worker on the event loop until it finishes or the turn is abandoned.
+
+        Args:
+            worker: a coroutine function (or an awaitable), or a blocking callable, run in the loop's
+                default executor.
+            *args: its arguments.
 
         Returns:
             The Outcome. A worker exception abandons the turn (reason `error`) and is in
-            `Outcome.error`. Cancelling run() abandons the turn (reason `cancelled`) and re-raises.
+            `Outcome.error`.
+
+        Raises:
+            asyncio.CancelledError: run() was cancelled; the turn is abandoned (reason `cancelled`) first.
+            SentinelUnavailable: the manager's sentinel could not start (the worker never ran).
+            RuntimeError: this supervisor already ran a worker.
         """
         loop = asyncio.get_running_loop()
         wake = Wake(loop)
@@ -174,9 +187,22 @@ class Supervisor:
         return self._finish_run()
 
     def run_blocking(self, worker: Callable[..., Any], *args: Any) -> Outcome:
-        """Run `worker(*args)` in the calling thread (plain threads, no event loop); the watchdog
-        thread abandons the turn on time while it runs. Returns when the worker has returned and
-        the outcome is final; `on_interrupt` is how the worker learns to return early."""
+        """Run the worker in the calling thread (plain threads, no event loop) until it returns.
+
+        The watchdog thread abandons the turn on time while it runs; `on_interrupt` is how the worker
+        learns to return early.
+
+        Args:
+            worker: a blocking callable.
+            *args: its arguments.
+
+        Returns:
+            The Outcome, once the worker has returned and the outcome is final.
+
+        Raises:
+            SentinelUnavailable: the manager's sentinel could not start (the worker never ran).
+            RuntimeError: this supervisor already ran a worker.
+        """
         self._begin_worker()
         if self._reason is None:
             self._wrap_blocking(worker, args)
@@ -206,9 +232,14 @@ class Supervisor:
         return result
 
     def start(self) -> None:
-        """Start the clocks (the watchdog, and the sentinel's copy of the deadlines) now, before the
-        worker runs: for a caller that starts the turn's first process itself, so that the deadlines
-        hold from that moment even if the caller is stopped before it calls `run`."""
+        """Start the clocks (the watchdog, and the sentinel's copy of the deadlines) now, before the worker.
+
+        For a caller that starts the turn's first process itself, so that the deadlines hold from that
+        moment even if the caller is stopped before it calls `run`. A second call does nothing.
+
+        Raises:
+            SentinelUnavailable: the manager's sentinel could not start.
+        """
         if self._started_at is None:
             self._start()
 
@@ -352,15 +383,39 @@ class Supervisor:
             self._fired()
 
     def new_session(self, grace: float | None = None) -> AbandonResult:
-        """`/new`: abandon the turn with reason `new-session`."""
+        """`/new`: abandon the turn with reason `new-session`.
+
+        Args:
+            grace: overrides the supervisor's grace for this kill.
+
+        Returns:
+            As `stop`.
+        """
         return self.stop(REASON_NEW_SESSION, grace)
 
     def disconnect(self, grace: float | None = None) -> AbandonResult:
-        """The client went away: abandon the turn with reason `disconnect`."""
+        """The client went away: abandon the turn with reason `disconnect`.
+
+        Args:
+            grace: overrides the supervisor's grace for this kill.
+
+        Returns:
+            As `stop`.
+        """
         return self.stop(REASON_DISCONNECT, grace)
 
     async def astop(self, reason: str = REASON_STOP, grace: float | None = None) -> AbandonResult:
-        """`stop` from a coroutine, without blocking the event loop for the grace period."""
+        """`stop` from a coroutine, without blocking the event loop for the grace period.
+
+        Args:
+            reason, grace: as `stop`.
+
+        Returns:
+            As `stop`.
+
+        Raises:
+            UnsafeOperation: the turn contains the calling process.
+        """
         return await asyncio.to_thread(self.stop, reason, grace)
 
     def _interrupt(self, reason: str) -> None:
@@ -440,9 +495,17 @@ class Supervisor:
         return self._completed or self._reason is not None
 
     def on_due(self, now: float) -> float | None:
-        """Watchdog thread: notice an abandon by another process, fire a timeout or deadline that has
-        passed (the decision and `on_interrupt` here; the kill in the watchdog's kill pool); returns
-        the next time to look, or None when the outcome is decided."""
+        """The watchdog's call: notice an abandon by another process, fire a due timeout or deadline.
+
+        The decision and `on_interrupt` happen here, in the watchdog thread; the kill runs in the
+        watchdog's kill pool (cgturn.watchdog).
+
+        Args:
+            now: the monotonic time the watchdog woke for.
+
+        Returns:
+            The next monotonic time to look, or None when the outcome is decided.
+        """
         if self._reason is not None or self._completed:
             return None
         if now >= self._next_poll:
