@@ -45,7 +45,9 @@ def test_watchdog_fires_while_the_event_loop_is_blocked(manager):
         return "late reply"
 
     async def main():
-        sup = Supervisor(turn, timeout=timeout, grace=grace)
+        # No sentinel: its copy of the timeout (0.25 s later) would kill the turn too, on a loaded host
+        # first, and hide a watchdog that did not fire.
+        sup = Supervisor(turn, timeout=timeout, grace=grace, use_sentinel=False)
         threading.Thread(target=monitor, args=(time.monotonic(),), daemon=True).start()
         return await sup.run(worker)
 
