@@ -19,8 +19,8 @@ The sentinel (cgturn.sentinel) holds the same deadlines outside the process, for
 stopped, wedged or dead.
 
 This module keeps the decision and the ways of running a worker together, as they share one lock and
-one outcome (~540 lines, a third of them docstrings, over the house limit on purpose: the race rules between completion, the
-watchdog, a stop and an outside abandon are read in one file). What it only uses lives apart: the
+one outcome (~540 lines, a third of them docstrings, over the house limit on purpose: the race rules
+between completion, the watchdog, a stop and an outside abandon are read in one file). What it only uses lives apart: the
 outcome (cgturn.outcome), the run markers (cgturn.runs), the watcher of outside abandons
 (cgturn.outside), the wake-up plumbing (cgturn.wakeups), the clocks (cgturn.clocks).
 """
