@@ -356,18 +356,3 @@ class TurnManager:
             `{layout: "v2"|"v1-hybrid"|None, available: [...], problems: [...]}`.
         """
         return self._governance.report()
-
-    if not TYPE_CHECKING:
-        # MERGE: delete this block once branch `sup` is merged. Until then the supervision layer of this
-        # branch still calls a few friend operations on the manager; they live on `manager._control`
-        # (PLAN.md interface 1) and are reached here, off the class and off type checkers' view.
-        def __getattr__(self, name: str) -> Any:
-            if name in _FRIENDS_UNTIL_MERGE and "_control" in self.__dict__:
-                return getattr(self.__dict__["_control"], name)
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-
-_FRIENDS_UNTIL_MERGE = frozenset({
-    "complete_turn", "abandon_turn", "finish_kill", "take_abandon_note", "turn_usage_quietly", "adopt_into",
-    "running_turns_of_caller", "owner_alive", "turn_state", "check_limits", "freeze_turn", "thaw_turn",
-    "set_lease", "expire_lease", "spawn_keyed"})

@@ -1,11 +1,141 @@
-"""`python -m cgturn.sentinel_main`: the sentinel process's entry point (see cgturn.sentinel).
+"""`python -m cgturn.sentinel_main`: the sentinel process's entry point — its arguments, its logging,
+its scheduling policy, the pressure guard it may arm, and the handshake with its owner.
 
-A module of its own because `cgturn/__init__` already imports cgturn.sentinel, and running an
-imported module with -m executes it twice (runpy warns).
+The owner starts it (cgturn.sentinel); its loop is cgturn.sentinel_server. A module of its own,
+imported by nothing, because running an imported module with -m executes it twice (runpy warns); and
+the one place that composes the sentinel with the pressure guard, so the guard's and the sentinel's
+modules import each other in one direction only (the guard starts the sentinel).
 """
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
 import sys
 
-from .sentinel import main
+from . import sentinel_protocol as protocol
+from . import statefiles
+from .guard import PressureGuard
+from .guard_runner import GuardRunner
+from .sentinel_server import Sentinel
+
+log = logging.getLogger("cgturn.sentinel")
+
+LOG_FILE = "sentinel.log"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The sentinel's command line (what cgturn.sentinel's `_start_process` passes)."""
+    p = argparse.ArgumentParser(prog="python -m cgturn.sentinel_main",
+                                description="the sentinel: enforces turn deadlines from outside the owner")
+    p.add_argument("--fd", type=int, required=True, help="the SOCK_SEQPACKET channel from the owner")
+    p.add_argument("--protocol", type=int, help="the protocol version the owner speaks (cgturn.sentinel_protocol)")
+    p.add_argument("--owner-pid", type=int, required=True)
+    p.add_argument("--owner-start", type=int, required=True)
+    p.add_argument("--backend", required=True)
+    p.add_argument("--state-dir", required=True)
+    p.add_argument("--root")
+    p.add_argument("--guard", help="a PressureGuard's settings (JSON) to arm in this process")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the sentinel process.
+
+    Args:
+        argv: the command line without the program (default: sys.argv[1:]).
+
+    Returns:
+        The exit status: 0 after serving, 1 when it could not start (the owner was told why).
+    """
+    args = build_parser().parse_args(argv)
+    _batch_policy()
+    sock = socket.socket(fileno=args.fd)
+    log_problem = _setup_logging(args.state_dir)
+    if (problem := protocol.version_problem(args.protocol)) is not None:
+        # Another cgturn started this one (an upgrade under a running owner): refuse, never half serve.
+        message = f"the owner speaks {problem}"
+        log.error("sentinel refuses to start: %s", message)
+        _tell_owner(sock, protocol.error(message))
+        return 1
+    try:
+        from .manager import TurnManager
+        mgr = TurnManager(root=args.root, backend=args.backend, state_dir=args.state_dir, sentinel=False)
+    except Exception as err:  # noqa: BLE001 - reported to the owner, who raises SentinelUnavailable
+        log.exception("sentinel cannot start")
+        _tell_owner(sock, protocol.error(f"{type(err).__name__}: {err}"))
+        return 1
+    with mgr:
+        runner = None
+        if args.guard:
+            try:
+                runner = _arm_guard(mgr, args)
+            except Exception as err:  # noqa: BLE001 - reported to the owner, who raises GuardUnavailable
+                log.error("pressure guard cannot start: %s", err)
+                _tell_owner(sock, protocol.error(str(err), guard=True))
+                return 1
+        server = Sentinel(mgr, sock, args.owner_pid, args.owner_start)
+        _tell_owner(sock, protocol.ready(log_problem))
+        try:
+            server.run()
+        finally:
+            if runner is not None:
+                runner.stop()
+                runner.join()
+    return 0
+
+
+def _batch_policy() -> None:
+    """Run the sentinel under SCHED_BATCH (sched(7)) when it runs under SCHED_OTHER: the same CPU
+    share, but its wake-ups (one per message: a track at every begin_turn, an untrack at every
+    completion) no longer preempt the owner that sent them, which measured as most of the sentinel's
+    cost per turn on a 2-CPU host. Its own due times still wake it; it runs at the next scheduling
+    point, well inside the slack. A real-time policy inherited from the owner is kept."""
+    try:
+        if os.sched_getscheduler(0) == os.SCHED_OTHER:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (OSError, AttributeError) as err:  # not Linux, or refused: tracking works without it
+        log.debug("sentinel keeps its scheduling policy: %s", err)
+
+
+def _arm_guard(mgr, args) -> GuardRunner:
+    """Arm the pressure guard (or stand by while another guard owns the root) and start its thread."""
+    runner = GuardRunner(PressureGuard.from_json(json.loads(args.guard)), mgr, owner_pid=args.owner_pid)
+    if not runner.arm(standby=True):
+        log.info("pressure guard on standby: process %s owns this managed root", (runner.owned_by or {}).get("owner_pid"))
+    runner.start()
+    return runner
+
+
+def _setup_logging(state_dir: str) -> str | None:
+    """Log to `<state_dir>/sentinel.log`, else to stderr (/dev/null when started by an owner); returns
+    why the file could not be used, or None. Never raises: tracking must not depend on a log."""
+    path = os.path.join(state_dir, LOG_FILE)
+    problem = None
+    try:
+        os.makedirs(state_dir, exist_ok=True)
+        fd = statefiles.open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        handler: logging.Handler = logging.StreamHandler(open(fd, "a", encoding="utf-8", errors="backslashreplace"))
+    except OSError as err:
+        problem = f"cannot write {path}: {err.strerror or err}"
+        handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s sentinel[{os.getpid()}] %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    if problem:
+        log.warning("%s; logging to stderr", problem)
+    return problem
+
+
+def _tell_owner(sock: socket.socket, message: dict) -> None:
+    try:
+        sock.send(protocol.encode(message), socket.MSG_DONTWAIT)
+    except OSError:
+        pass  # the owner is gone: the owner-death path handles that
+
 
 if __name__ == "__main__":
     sys.exit(main())

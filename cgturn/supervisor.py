@@ -2,32 +2,34 @@
 
 Three things can end a supervised turn, and exactly one of them decides:
 
-- the worker finishes: the supervisor clears the run's ownership markers and completes the turn in
-  the same locked step, so a stop that lands a moment later finds nothing to kill;
-- the watchdog (a daemon thread, so it fires while the event loop is blocked) sees the inactivity
-  timeout or the hard deadline pass;
+- the worker finishes: the supervisor clears the run's ownership markers (cgturn.runs) and completes
+  the turn in the same locked step, so a stop that lands a moment later finds nothing to kill;
+- the watchdog (a daemon thread, cgturn.watchdog, so it fires while the event loop is blocked) sees
+  the inactivity timeout or the hard deadline pass (cgturn.clocks), or notices that someone else
+  abandoned the turn (cgturn.outside);
 - an explicit stop: `/stop`, `/new`, a client that disconnected (`stop(reason)`, `abandon_disconnected`).
 
 Every abandon cause goes through `Supervisor.stop`, the one abandon path: decide once under a lock
 (completion checked first, so a completed worker's result stands), fire `on_interrupt` once, ask the
-optional `is_still_current()` guard (False skips the kill, an exception kills: fail open), then
+optional `is_still_current()` check (False skips the kill, an exception kills: fail open), then
 `Turn.abandon(reason)`, whose first-transition-wins state change is atomic across processes (the
 sentinel, the CLI). The interrupt fires even when the kill is skipped.
 
 The sentinel (cgturn.sentinel) holds the same deadlines outside the process, for an owner that is
 stopped, wedged or dead.
 
-Why one module of ~650 lines: the decision (`stop`, `_worker_done`, an abandon noticed from outside)
-and the ways of running a worker share one lock and one outcome; split, the race rules would have to
-be read across files. The deadline heap is cgturn/watchdog.py.
+This module keeps the decision and the ways of running a worker together, as they share one lock and
+one outcome (~540 lines, a third of them docstrings, over the house limit on purpose: the race rules
+between completion, the watchdog, a stop and an outside abandon are read in one file). What it only uses lives apart: the
+outcome (cgturn.outcome), the run markers (cgturn.runs), the watcher of outside abandons
+(cgturn.outside), the wake-up plumbing (cgturn.wakeups), the clocks (cgturn.clocks).
 """
+# size: ~540 lines, a third of them docstrings: the race rules between completion, the watchdog, a stop and an outside abandon share one lock and one outcome and are read in one file.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import inspect
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -36,10 +38,18 @@ if TYPE_CHECKING:
     from .limits import Usage
     from .turn import Turn
 
-from . import clocks, ids, reasons, sentinel, watchdog
+from . import clocks, reasons, sentinel, watchdog
 from .errors import NoSuchTurn
 from .logfields import turn_fields
-from .model import ABANDONED, COMPLETED, RUNNING, AbandonResult
+from .model import COMPLETED, RUNNING, AbandonResult
+from .outcome import Outcome
+from .outside import EXTERNAL_WAIT, UNKNOWN_KILLER_WAIT, OutsideAbandon
+from .runs import Run, aabandon_disconnected, abandon_disconnected, areap_disconnected, reap_disconnected
+from .wakeups import Wake, dispatcher
+
+# Re-exported: the package root and earlier callers import them from here.
+__all__ = ["Supervisor", "Outcome", "Run", "abandon_disconnected", "aabandon_disconnected", "reap_disconnected",
+           "areap_disconnected", "EXTERNAL_WAIT", "UNKNOWN_KILLER_WAIT"]
 
 log = logging.getLogger("cgturn.supervisor")
 
@@ -59,100 +69,6 @@ CANCEL_WAIT = 1.0
 # (`cgturn stop`, the sentinel, the guard) while the worker runs on: one record read (a getxattr on
 # cgroup v2) per turn and second.
 STATE_POLL = 1.0
-# How long an owner waits for another process's kill of its turn to finish (its note, see
-# cgturn.outcomes) while that killer runs; and, when the killer is unknown, at all.
-EXTERNAL_WAIT = 60.0
-UNKNOWN_KILLER_WAIT = 2.0
-
-
-class Run:
-    """Per-run ownership markers of an API server: which task and turn a run owns while in flight.
-
-    The supervisor sets them when the worker starts and clears them the instant it finishes;
-    `abandon_disconnected(run)` abandons only a run that still holds them.
-    """
-
-    def __init__(self, run_id: str | None = None) -> None:
-        self.run_id = run_id
-        self._lock = threading.Lock()
-        self.task_id: str | None = None
-        self.turn: Turn | None = None
-        self.supervisor: "Supervisor | None" = None
-
-    def __repr__(self) -> str:
-        return f"<Run {self.run_id!r} owns {self.task_id!r}>" if self.owned else f"<Run {self.run_id!r} idle>"
-
-    def mark(self, task_id: str, turn: Turn, supervisor: "Supervisor | None" = None) -> None:
-        """Record that this run owns `turn` of `task_id` (set while the run is in flight)."""
-        with self._lock:
-            self.task_id, self.turn, self.supervisor = task_id, turn, supervisor
-
-    def clear(self) -> None:
-        """Drop the markers: the run no longer owns anything."""
-        with self._lock:
-            self.task_id = self.turn = self.supervisor = None
-
-    @property
-    def owned(self) -> bool:
-        """True while the run holds markers (its worker is in flight)."""
-        return self.turn is not None
-
-    def markers(self) -> tuple[str | None, Any, "Supervisor | None"]:
-        """(task id, turn, supervisor), read together; all None when the run owns nothing."""
-        with self._lock:
-            return self.task_id, self.turn, self.supervisor
-
-
-def abandon_disconnected(run: Run, grace: float = 2.0) -> AbandonResult | None:
-    """A client of `run` went away: abandon the turn the run owns (reason `disconnect`).
-
-    Returns:
-        The AbandonResult, or None when the run holds no markers (never started, or finished) or its
-        task id is blank: nothing is reaped then.
-    """
-    task_id, turn, supervisor = run.markers()
-    if turn is None or task_id is None or ids.is_blank(task_id):
-        return None
-    if supervisor is not None:
-        return supervisor.stop(REASON_DISCONNECT, grace=grace)
-    return turn.abandon(REASON_DISCONNECT, grace=grace)
-
-
-reap_disconnected = abandon_disconnected  # the name earlier versions and the contract use
-
-
-async def areap_disconnected(run: Run, grace: float = 2.0) -> AbandonResult | None:
-    """`abandon_disconnected` for asyncio: the kill and its grace run in a worker thread, so a process
-    that ignores SIGTERM never stalls the event loop. Returns as `abandon_disconnected`."""
-    return await asyncio.to_thread(abandon_disconnected, run, grace)
-
-
-aabandon_disconnected = areap_disconnected
-
-
-@dataclasses.dataclass
-class Outcome:
-    """How a supervised turn ended. Exactly one of completed / abandoned (`reason` set) holds."""
-
-    completed: bool
-    result: Any = None
-    reason: str | None = None
-    abandon: AbandonResult | None = None
-    error: BaseException | None = None
-    interrupted: bool = False
-    # Abandoned by someone other than this supervisor (`cgturn stop`, end_task, the sentinel, the
-    # guard, another thread's Turn.abandon); `killed_by` is the pid of the process that killed it
-    # (None when unknown). `abandon` then holds that kill's figures.
-    external: bool = False
-    killed_by: int | None = None
-    # What the turn used and which limits the kernel enforced on it (cgturn.Usage): read as the
-    # worker finished, or by the abandon before the turn's cgroup was removed; None when unknown.
-    usage: Usage | None = None
-
-    @property
-    def abandoned(self) -> bool:
-        """True when the turn was abandoned (`reason` says why)."""
-        return not self.completed
 
 
 class Supervisor:
@@ -172,6 +88,10 @@ class Supervisor:
             kill, an exception kills anyway (fail open).
         run: API-server markers to set while the worker runs and clear the instant it finishes.
         use_sentinel: also register the deadlines with the manager's sentinel (when enabled there).
+
+    Raises:
+        ValueError: timeout or deadline not > 0, grace < 0.
+        NoSuchTurn: the turn is not running.
     """
 
     def __init__(self, turn: Turn, *, timeout: float | None = None, deadline: float | None = None, grace: float = 2.0,
@@ -188,6 +108,8 @@ class Supervisor:
             raise NoSuchTurn(f"turn {turn.turn_id!r} of task {turn.task_id!r} is {state}: only a running "
                              "turn can be supervised")
         self.turn = turn
+        self.names: tuple[str, str] = turn.names  # the encoded names the manager addresses it by
+        self._control = turn.manager._control
         self.timeout, self.deadline, self.grace = timeout, deadline, grace
         self.on_interrupt, self.activity, self.is_still_current, self.run_markers = (
             on_interrupt, activity, is_still_current, run)
@@ -205,13 +127,11 @@ class Supervisor:
         self._settled = threading.Event()        # the outcome is final (kill finished, or completed)
         self._fired: Callable[[], object] = lambda: None  # wakes an async run() from another thread
         self._sentinel: sentinel.SentinelClient | None = None
-        self._paused = clocks.PausedTime()  # frozen time the clocks leave out (cgturn.clocks)
-        # An abandon by someone else: who (pid), and when its figures are known (`_abandon_result`).
+        self._frozen = clocks.FrozenTime()  # frozen time the clocks leave out (cgturn.clocks)
+        self._next_poll = 0.0
+        # An abandon by someone else: noticed by the watchdog or a listener event (cgturn.outside).
         self._external = False
-        self._killed_by: int | None = None
-        self._killer: tuple[int, int] | None = None  # pid + start time, to wait only while it runs
-        self._resolved = threading.Event()
-        self._gone_since: float | None = None
+        self._outside = OutsideAbandon(self._control, self.names, turn.started_at, turn.task_id, turn.turn_id)
 
     def __repr__(self) -> str:
         state = "completed" if self._completed else (f"abandoned ({self._reason})" if self._reason else "running")
@@ -220,15 +140,24 @@ class Supervisor:
     # --- running the worker ---------------------------------------------------------------------
 
     async def run(self, worker: Any, *args: Any) -> Outcome:
-        """Run `worker(*args)` — a coroutine function (or awaitable), or a blocking callable run in
-        the loop's default executor — until it finishes or the turn is abandoned.
+        """Run the worker on the event loop until it finishes or the turn is abandoned.
+
+        Args:
+            worker: a coroutine function (or an awaitable), or a blocking callable, run in the loop's
+                default executor.
+            *args: its arguments.
 
         Returns:
             The Outcome. A worker exception abandons the turn (reason `error`) and is in
-            `Outcome.error`. Cancelling run() abandons the turn (reason `cancelled`) and re-raises.
+            `Outcome.error`.
+
+        Raises:
+            asyncio.CancelledError: run() was cancelled; the turn is abandoned (reason `cancelled`) first.
+            SentinelUnavailable: the manager's sentinel could not start (the worker never ran).
+            RuntimeError: this supervisor already ran a worker.
         """
         loop = asyncio.get_running_loop()
-        wake = _Wake(loop)
+        wake = Wake(loop)
         self._fired = wake.set_threadsafe
         self._begin_worker()
         if self._reason is not None:  # stopped before it started: the worker never runs
@@ -259,9 +188,22 @@ class Supervisor:
         return self._finish_run()
 
     def run_blocking(self, worker: Callable[..., Any], *args: Any) -> Outcome:
-        """Run `worker(*args)` in the calling thread (plain threads, no event loop); the watchdog
-        thread abandons the turn on time while it runs. Returns when the worker has returned and
-        the outcome is final; `on_interrupt` is how the worker learns to return early."""
+        """Run the worker in the calling thread (plain threads, no event loop) until it returns.
+
+        The watchdog thread abandons the turn on time while it runs; `on_interrupt` is how the worker
+        learns to return early.
+
+        Args:
+            worker: a blocking callable.
+            *args: its arguments.
+
+        Returns:
+            The Outcome, once the worker has returned and the outcome is final.
+
+        Raises:
+            SentinelUnavailable: the manager's sentinel could not start (the worker never ran).
+            RuntimeError: this supervisor already ran a worker.
+        """
         self._begin_worker()
         if self._reason is None:
             self._wrap_blocking(worker, args)
@@ -291,9 +233,14 @@ class Supervisor:
         return result
 
     def start(self) -> None:
-        """Start the clocks (the watchdog, and the sentinel's copy of the deadlines) now, before the
-        worker runs: for a caller that starts the turn's first process itself, so that the deadlines
-        hold from that moment even if the caller is stopped before it calls `run`."""
+        """Start the clocks (the watchdog, and the sentinel's copy of the deadlines) now, before the worker.
+
+        For a caller that starts the turn's first process itself, so that the deadlines hold from that
+        moment even if the caller is stopped before it calls `run`. A second call does nothing.
+
+        Raises:
+            SentinelUnavailable: the manager's sentinel could not start.
+        """
         if self._started_at is None:
             self._start()
 
@@ -314,12 +261,12 @@ class Supervisor:
         self.turn.last_activity = max(self.turn.last_activity, self._started_at)
         if self.run_markers is not None:
             self.run_markers.mark(self.turn.task_id, self.turn, self)
-        _dispatcher(self.turn.manager).watch(self)
+        dispatcher(self.turn.manager).watch(self)
         if client is not None:
             self._sentinel = client
-            client.guard(self.turn, deadline=self._deadline_at(), inactivity=self.timeout, grace=self.grace)
+            client.track(self.turn, deadline=self._deadline_at(), inactivity=self.timeout, grace=self.grace)
         if self.timeout is not None or self.deadline is not None:
-            self._paused = clocks.PausedTime(self._frozen_total()[0])
+            self._frozen = clocks.FrozenTime(self._frozen_state()[0])
         self._next_poll = self._started_at + STATE_POLL
         watchdog.shared().schedule(self, self._next_due(self._started_at))
 
@@ -328,22 +275,22 @@ class Supervisor:
         are known (its note), while that process is still killing."""
         self._settled.wait()
         if self._external:
-            self._await_external_figures()
+            self._abandon_result = self._outside.figures(self._reason)
 
     def _finish_run(self) -> Outcome:
-        _dispatcher(self.turn.manager).forget(self)
+        dispatcher(self.turn.manager).forget(self)
         if self.run_markers is not None:
             self.run_markers.clear()
         if self._sentinel is not None and not self._completed and self.turn.state == RUNNING:
-            # The guard skipped the kill: the turn stays running, guarded only against owner death.
-            self._sentinel.guard(self.turn, grace=0.0)
+            # is_still_current() skipped the kill: the turn stays running, tracked for owner death only.
+            self._sentinel.track(self.turn, grace=0.0)
         if self._completed:
             return Outcome(completed=True, result=self._result, usage=self._usage)
         usage = self._abandon_result.usage if self._abandon_result is not None else None
         killed_by = self._abandon_result.killed_by if self._abandon_result is not None else None
         return Outcome(completed=False, reason=self._reason, abandon=self._abandon_result,
                        error=self._error, interrupted=self._interrupted, usage=usage or self._usage,
-                       external=self._external, killed_by=killed_by if killed_by is not None else self._killed_by)
+                       external=self._external, killed_by=killed_by if killed_by is not None else self._outside.killed_by)
 
     # --- the decision ---------------------------------------------------------------------------
 
@@ -360,32 +307,19 @@ class Supervisor:
                 won, self._usage = self.turn._complete(figures=True)
             else:
                 self._error, won = error, False
-            rec = None if won else self.turn.manager.backend.load(*self.turn.key)
+            rec = None if won else self._control.record(*self.names)
             if error is None and not won and rec is not None:
-                self._usage = self.turn.manager.turn_usage_quietly(rec)  # ended by another hand
+                self._usage = self._control.turn_usage_quietly(rec)  # ended by another hand
             if won or (error is None and rec is not None and rec.state == COMPLETED):
                 # Completed (by this call, or by another hand: Turn.complete): it stands.
                 self._completed, self._result = True, result
                 self._settled.set()
                 return
-        if rec is not None and rec.state == ABANDONED:
-            self._abandoned_elsewhere(rec.reason or reasons.UNKNOWN, rec)
-        elif rec is None:
-            # Gone already: the killer's note (written just after the removal) says who and why.
-            deadline = time.monotonic() + UNKNOWN_KILLER_WAIT
-            while (note := self._take_note()) is None and time.monotonic() < deadline and not self._resolved.is_set():
-                self._resolved.wait(0.005)
-            if note is not None:
-                self._abandoned_elsewhere(str(note.get("reason") or reasons.UNKNOWN), None,
-                                          _result_from_note(note, None))
-            else:
-                self._abandoned_elsewhere(reasons.UNKNOWN)
+        noticed = self._outside.after_worker(rec)  # gone: waits a moment for the killer's note
+        if noticed is not None:
+            self._abandoned_elsewhere(*noticed)
         else:
             self.stop(REASON_ERROR, interrupt=False)  # the worker raised: the turn is still ours to abandon
-
-    def _take_note(self) -> dict | None:
-        turn = self.turn
-        return turn.manager.take_abandon_note(*turn.key, turn.started_at)
 
     def _abandoned_elsewhere(self, reason: str, rec=None, result: AbandonResult | None = None) -> None:
         """Someone else abandoned the turn: that decision stands; fire `on_interrupt` with its reason.
@@ -396,50 +330,17 @@ class Supervisor:
         with self._lock:
             if self._completed or self._reason is not None:
                 if result is not None and self._external and self._abandon_result is None:
-                    self._abandon_result = result  # the figures of the kill already noticed
-                    self._resolved.set()
+                    self._outside.resolve(result)  # the figures of the kill already noticed
                 return
             self._reason, self._external = reason, True
-            if rec is not None and rec.killer_pid is not None:
-                self._killed_by = rec.killer_pid
-                if rec.killer_start is not None:
-                    self._killer = (rec.killer_pid, rec.killer_start)
+            self._outside.learn(rec, result)
             if result is not None:
-                self._abandon_result, self._killed_by = result, result.killed_by
-                self._resolved.set()
+                self._abandon_result = result
         try:
             self._interrupt(reason)
         finally:
             self._settled.set()
             self._fired()
-
-    def _await_external_figures(self) -> None:
-        """Wait for the note of the process that abandoned the turn (cgturn.outcomes), while it runs."""
-        from .kernel import procfs
-
-        started = time.monotonic()
-        while not self._resolved.is_set():
-            note = self._take_note()
-            if note is not None:
-                self._abandon_result = _result_from_note(note, self._reason)
-                return
-            if self._killer is not None and self._killer[0] == os.getpid():
-                bound = EXTERNAL_WAIT  # another thread of ours is killing: its listener event resolves it
-            elif self._killer is not None:
-                try:
-                    killer_runs = procfs.is_alive(*self._killer)
-                except Exception:  # noqa: BLE001 - cannot look: wait the full bound
-                    killer_runs = True
-                bound = EXTERNAL_WAIT if killer_runs else 0.0
-            else:
-                bound = UNKNOWN_KILLER_WAIT
-            if time.monotonic() - started >= bound:
-                break
-            self._resolved.wait(0.005)
-        if self._abandon_result is None:
-            # The killer left no note (it died, or it could not write one): what the record said.
-            self._abandon_result = AbandonResult(skipped=False, reason=self._reason or reasons.UNKNOWN,
-                                                 killed_by=self._killed_by)
 
     def stop(self, reason: str = REASON_STOP, grace: float | None = None, interrupt: bool = True) -> AbandonResult:
         """Abandon the supervised turn: the one abandon path for every cause. Thread-safe, idempotent.
@@ -483,15 +384,39 @@ class Supervisor:
             self._fired()
 
     def new_session(self, grace: float | None = None) -> AbandonResult:
-        """`/new`: abandon the turn with reason `new-session`."""
+        """`/new`: abandon the turn with reason `new-session`.
+
+        Args:
+            grace: overrides the supervisor's grace for this kill.
+
+        Returns:
+            As `stop`.
+        """
         return self.stop(REASON_NEW_SESSION, grace)
 
     def disconnect(self, grace: float | None = None) -> AbandonResult:
-        """The client went away: abandon the turn with reason `disconnect`."""
+        """The client went away: abandon the turn with reason `disconnect`.
+
+        Args:
+            grace: overrides the supervisor's grace for this kill.
+
+        Returns:
+            As `stop`.
+        """
         return self.stop(REASON_DISCONNECT, grace)
 
     async def astop(self, reason: str = REASON_STOP, grace: float | None = None) -> AbandonResult:
-        """`stop` from a coroutine, without blocking the event loop for the grace period."""
+        """`stop` from a coroutine, without blocking the event loop for the grace period.
+
+        Args:
+            reason, grace: as `stop`.
+
+        Returns:
+            As `stop`.
+
+        Raises:
+            UnsafeOperation: the turn contains the calling process.
+        """
         return await asyncio.to_thread(self.stop, reason, grace)
 
     def _interrupt(self, reason: str) -> None:
@@ -542,35 +467,24 @@ class Supervisor:
 
     def _due(self) -> tuple[float, str]:
         """The nearest of the deadline and the inactivity timeout, with its reason (inf: neither)."""
-        options = [(float("inf"), "")]
-        deadline_at = self._deadline_at()
-        if deadline_at is not None:
-            options.append((deadline_at + self._paused.deadline, REASON_DEADLINE))
-        if self.timeout is not None:
-            last = self._last_activity()
-            options.append((last + self.timeout + self._paused.idle_credit(last), REASON_TIMEOUT))
-        return min(options)
+        due = clocks.due(self._deadline_at(), self.timeout, self._last_activity(), self._frozen)
+        return due if due is not None else (float("inf"), "")
 
-    def _frozen_total(self) -> tuple[float, bool]:
+    def _frozen_state(self) -> tuple[float, bool]:
         """(seconds the turn has spent frozen so far, frozen now), from its record."""
         try:
-            rec = self.turn.record
+            rec = self._control.record(*self.names)
         except Exception:  # noqa: BLE001 - an unreadable record must not keep a turn alive
             log.exception("cannot read the frozen time of turn %r", self.turn.turn_id, extra=self._log_fields())
-            return self._paused.seen, False
-        return clocks.frozen_total(rec, time.time()), rec.frozen_at is not None
+            return self._frozen.seen, False
+        return clocks.frozen_state(rec, time.time(), self._frozen.seen)
 
-    def _due_after_pauses(self, now: float) -> tuple[float, str]:
+    def _due_after_look(self, now: float) -> tuple[float, str]:
         """The due time once the frozen time since the last look is left out (the clocks stop while
-        the turn is frozen); while it is still frozen, no sooner than a recheck. The record is read
-        here only, when a due time has arrived."""
-        total, frozen = self._frozen_total()
-        last = self._last_activity()
-        self._paused.look(total, last, now - last)
-        due, reason = self._due()
-        if frozen:
-            due = max(due, now + clocks.FROZEN_RECHECK)
-        return due, reason
+        the turn is frozen). The record is read here only, when a due time has arrived."""
+        due = clocks.due_after_look(self._deadline_at(), self.timeout, self._last_activity(), self._frozen,
+                                    self._frozen_state(), now)
+        return due if due is not None else (float("inf"), "")
 
     def _next_due(self, now: float) -> float:
         due = min(self._due()[0], self._next_poll)
@@ -582,9 +496,17 @@ class Supervisor:
         return self._completed or self._reason is not None
 
     def on_due(self, now: float) -> float | None:
-        """Watchdog thread: notice an abandon by another process, fire a timeout or deadline that has
-        passed (the decision and `on_interrupt` here; the kill in the watchdog's kill pool); returns
-        the next time to look, or None when the outcome is decided."""
+        """The watchdog's call: notice an abandon by another process, fire a due timeout or deadline.
+
+        The decision and `on_interrupt` happen here, in the watchdog thread; the kill runs in the
+        watchdog's kill pool (cgturn.watchdog).
+
+        Args:
+            now: the monotonic time the watchdog woke for.
+
+        Returns:
+            The next monotonic time to look, or None when the outcome is decided.
+        """
         if self._reason is not None or self._completed:
             return None
         if now >= self._next_poll:
@@ -595,7 +517,7 @@ class Supervisor:
         due, reason = self._due()
         if not (reason and due <= now):
             return self._next_due(now)
-        due, reason = self._due_after_pauses(now)  # the clocks stop while the turn is frozen
+        due, reason = self._due_after_look(now)  # the clocks stop while the turn is frozen
         if due > now:
             return min(due, self._next_poll)  # frozen meanwhile: pushed back, at least a recheck away
         with self._lock:
@@ -610,102 +532,6 @@ class Supervisor:
         """Notice an abandon by another process: the turn's record says abandoned, or it is gone."""
         if self._reason is not None or self._completed:
             return
-        turn = self.turn
-        try:
-            rec = turn.manager.backend.load(*turn.key)
-        except Exception:  # noqa: BLE001 - a failed read decides nothing
-            log.exception("cannot read the state of turn %r", turn.turn_id, extra=self._log_fields())
-            return
-        if rec is None:
-            # Removed: its killer writes the note right after the removal. Look again at the next
-            # polls rather than block the watchdog; after UNKNOWN_KILLER_WAIT decide without it.
-            note = self._take_note()
-            if note is not None:
-                self._abandoned_elsewhere(str(note.get("reason") or reasons.UNKNOWN), None,
-                                          _result_from_note(note, None))
-                return
-            now = time.monotonic()
-            if self._gone_since is None:
-                self._gone_since = now
-            elif now - self._gone_since >= UNKNOWN_KILLER_WAIT:
-                self._abandoned_elsewhere(reasons.UNKNOWN)
-        elif rec.state == ABANDONED:
-            self._abandoned_elsewhere(rec.reason or reasons.UNKNOWN, rec)
-
-
-def _result_from_note(note: dict, reason: str | None) -> AbandonResult:
-    """The AbandonResult of another process's kill, from the note it left (cgturn.outcomes)."""
-    killed = [p for p in note.get("killed", []) if isinstance(p, int)]
-    signals = [s for s in note.get("signals", []) if isinstance(s, str)]
-    killed_by = note.get("killed_by")
-    duration = note.get("duration_ms")
-    return AbandonResult(killed=sorted(killed), skipped=False, reason=str(note.get("reason") or reason),
-                         signals=signals, duration_ms=float(duration) if isinstance(duration, (int, float)) else 0.0,
-                         killed_by=killed_by if isinstance(killed_by, int) else None)
-
-
-class _Wake:
-    """What `Supervisor.run` awaits: woken by the worker's task finishing (on the loop) or by a
-    decision in another thread (`set_threadsafe`); re-armed after each wake-up. One future per
-    wake-up instead of an asyncio.Event, a task waiting on it and asyncio.wait's own futures."""
-
-    __slots__ = ("_loop", "_future")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
-        self._future = loop.create_future()
-
-    def set(self, *_: object) -> None:
-        if not self._future.done():
-            self._future.set_result(None)
-
-    def set_threadsafe(self) -> None:
-        self._loop.call_soon_threadsafe(self.set)
-
-    async def wait(self) -> None:
-        try:
-            await self._future
-        finally:
-            self._future = self._loop.create_future()
-
-
-class _Dispatcher:
-    """The one listener per manager that routes `turn_ended` events to the supervisors of this
-    process (an abandon by another thread: Turn.abandon, end_task), in O(1) per event."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._by_key: dict[tuple[str, str], Supervisor] = {}
-
-    def watch(self, sup: Supervisor) -> None:
-        with self._lock:
-            self._by_key[sup.turn.key] = sup
-
-    def forget(self, sup: Supervisor) -> None:
-        with self._lock:
-            if self._by_key.get(sup.turn.key) is sup:
-                del self._by_key[sup.turn.key]
-
-    def turn_ended(self, event) -> None:
-        if event.state != ABANDONED:
-            return
-        with self._lock:
-            sup = self._by_key.get(event.key)
-        if sup is not None:
-            sup._abandoned_elsewhere(event.reason or reasons.UNKNOWN, None, AbandonResult(
-                killed=list(event.killed), skipped=False, reason=event.reason or reasons.UNKNOWN,
-                signals=list(event.signals), duration_ms=event.duration_ms, usage=event.usage,
-                killed_by=event.killed_by))
-
-
-_DISPATCH_LOCK = threading.Lock()
-
-
-def _dispatcher(manager) -> _Dispatcher:
-    with _DISPATCH_LOCK:
-        for listener in manager.listeners:
-            if isinstance(listener, _Dispatcher):
-                return listener
-        dispatcher = _Dispatcher()
-        manager.add_listener(dispatcher)
-        return dispatcher
+        noticed = self._outside.poll()
+        if noticed is not None:
+            self._abandoned_elsewhere(*noticed)

@@ -188,7 +188,7 @@ def spawn_rows(root_mgr: TurnManager, state_root: str, count: int) -> dict[str, 
     0.5 ms instead of 0.27, which flattered every ratio to Popen in earlier tables).
     """
     turn = root_mgr.begin_turn("bench-spawn")
-    procs_file = os.path.join(root_mgr.root, *turn.key, "cgroup.procs")
+    procs_file = os.path.join(root_mgr.root, *turn.names, "cgroup.procs")
 
     def join():
         with open(procs_file, "w") as f:

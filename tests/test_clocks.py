@@ -1,12 +1,12 @@
-"""Clocks that stop while a turn is frozen: the supervisor's watchdog and the sentinel leave paused
-time out of inactivity timeouts and deadlines (both backends), and the pure accounting behind them."""
+"""Clocks that stop while a turn is frozen: the supervisor's watchdog and the sentinel leave frozen
+time out of inactivity timeouts and deadlines (both backends), and the one pure clock behind both."""
 import signal
 import threading
 
 import pytest
 
 from cgturn import RUNNING, Supervisor, attach_sentinel
-from cgturn.clocks import PausedTime, frozen_total
+from cgturn.clocks import FROZEN_RECHECK, FrozenTime, due, due_after_look, frozen_state, frozen_total
 from cgturn.model import TurnRecord
 from conftest import audit_records, wait_until
 
@@ -45,7 +45,7 @@ def test_sentinel_clock_stops_while_the_turn_is_frozen(manager):
     proc = turn.spawn(["sleep", "300"])
     client = attach_sentinel(manager)
     turn.freeze()
-    client.guard(turn, inactivity=1.0, grace=0.0)
+    client.track(turn, inactivity=1.0, grace=0.0)
     # Frozen for twice its inactivity timeout (plus the sentinel's slack): still running.
     assert not wait_until(lambda: turn.state != RUNNING, timeout=FROZEN_FOR)
     turn.thaw()
@@ -69,8 +69,8 @@ def test_frozen_total(rec, now, total):
     assert frozen_total(rec, now) == total
 
 
-def test_paused_time_credits_only_frozen_time_after_the_last_activity():
-    paused = PausedTime(seen=1.0)  # frozen for 1 s before the clocks started: not theirs
+def test_frozen_time_credits_only_frozen_time_after_the_last_activity():
+    paused = FrozenTime(seen=1.0)  # frozen for 1 s before the clocks started: not theirs
     paused.look(total=3.0, last_activity=10.0, since_activity=5.0)
     assert (paused.deadline, paused.idle_credit(10.0)) == (2.0, 2.0)
     paused.look(total=4.0, last_activity=10.0, since_activity=6.0)
@@ -79,3 +79,42 @@ def test_paused_time_credits_only_frozen_time_after_the_last_activity():
     paused.look(total=7.0, last_activity=20.0, since_activity=0.5)
     assert (paused.deadline, paused.idle_credit(20.0)) == (6.0, 0.5)
     assert paused.idle_credit(10.0) == 0.0
+
+
+def frozen(deadline=0.0, idle=0.0, idle_since=None):
+    f = FrozenTime()
+    f.deadline, f.idle, f.idle_since = deadline, idle, idle_since
+    return f
+
+
+# (deadline_at, timeout, last activity, frozen time, slack) -> due
+@pytest.mark.parametrize("deadline_at, timeout, last, fz, slack, expected", [
+    (None, None, 10.0, frozen(), 0.0, None),                                  # no clock: only owner death
+    (50.0, None, 10.0, frozen(), 0.0, (50.0, "deadline")),
+    (None, 5.0, 10.0, frozen(), 0.0, (15.0, "timeout")),
+    (50.0, 5.0, 10.0, frozen(), 0.0, (15.0, "timeout")),                      # the nearer wins
+    (12.0, 5.0, 10.0, frozen(), 0.0, (12.0, "deadline")),
+    (50.0, 5.0, 10.0, frozen(), 0.25, (15.25, "timeout")),                    # the sentinel's slack
+    (50.0, None, 10.0, frozen(deadline=3.0), 0.0, (53.0, "deadline")),        # frozen time left out
+    (None, 5.0, 10.0, frozen(idle=2.0, idle_since=10.0), 0.0, (17.0, "timeout")),
+    (None, 5.0, 11.0, frozen(idle=2.0, idle_since=10.0), 0.0, (16.0, "timeout")),  # activity since: no credit
+])
+def test_due(deadline_at, timeout, last, fz, slack, expected):
+    assert due(deadline_at, timeout, last, fz, slack) == expected
+
+
+@pytest.mark.parametrize("state, now, expected", [
+    ((0.0, False), 20.0, (15.0, "timeout")),                   # never frozen: due as it was
+    ((4.0, False), 20.0, (19.0, "timeout")),                   # frozen 4 s, thawed: pushed back 4 s
+    ((1.0, True), 20.0, (20.0 + FROZEN_RECHECK, "timeout")),   # still frozen: no sooner than a recheck
+    ((9.0, True), 20.0, (24.0, "timeout")),                    # still frozen, later than a recheck
+    ((30.0, True), 20.0, (25.0, "timeout")),                   # credit: at most the 10 s since the activity
+])
+def test_due_after_look(state, now, expected):
+    assert due_after_look(None, 5.0, 10.0, FrozenTime(), state, now) == expected
+
+
+def test_frozen_state():
+    assert frozen_state(None, 100.0, otherwise=2.0) == (2.0, False)  # no record: what was known
+    assert frozen_state(record(1.0, frozen_at=99.0), 100.0) == (2.0, True)
+    assert frozen_state(record(1.0), 100.0) == (1.0, False)

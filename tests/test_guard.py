@@ -21,7 +21,8 @@ import pytest
 from conftest import PY, audit_records, cgturn_argv, cgturn_env, destroy_cgroup_tree, need_cgroup2, wait_until
 from cgturn import GuardUnavailable, Limits, Overloaded, PressureGuard, TurnManager
 from cgturn.backends import guard_state
-from cgturn.guard import heaviest, resolve_watch
+from cgturn.guard_policy import Hold, Step, eligible, frozen_too_long, heaviest, poll_timeout_ms, still_pressing, watched_cgroup
+from cgturn.model import TurnRecord
 from cgturn.kernel import parsers, procfs, psi
 from cgturn.metrics import AuditTail
 
@@ -103,19 +104,75 @@ def test_heaviest(now, before, cumulative, expected):
 
 
 @pytest.mark.parametrize("watch, owner, root, expected", [
-    ("host", "/m/x", "/m/r", "/proc/pressure/cpu"),
-    ("root", "/m/x", "/m/r", "/m/r/cpu.pressure"),
-    ("owner", "/m/gw", "/m/r", "/m/gw/cpu.pressure"),
-    ("owner", None, "/m/r", "/proc/pressure/cpu"),   # the owner sits in the root cgroup
-    ("/m/other", None, None, "/m/other/cpu.pressure"),
+    ("host", "/m/x", "/m/r", None),                  # None: the host, /proc/pressure
+    ("root", "/m/x", "/m/r", "/m/r"),
+    ("owner", "/m/gw", "/m/r", "/m/gw"),
+    ("owner", None, "/m/r", None),                   # the owner sits in the root cgroup: the host
+    ("/m/other", None, None, "/m/other"),
 ])
-def test_resolve_watch(watch, owner, root, expected):
-    assert resolve_watch(watch, "cpu", owner, root) == expected
+def test_watched_cgroup(watch, owner, root, expected):
+    assert watched_cgroup(watch, owner, root) == expected
 
 
-def test_resolve_watch_root_needs_cgroup2():
+def test_watched_cgroup_root_needs_cgroup2():
     with pytest.raises(GuardUnavailable, match="needs the cgroup2 backend"):
-        resolve_watch("root", "cpu", None, None)
+        watched_cgroup("root", None, None)
+
+
+def _rec(state="running", frozen_by=None):
+    return TurnRecord("t", "u", "t", "u", state=state, frozen_by=frozen_by)
+
+
+@pytest.mark.parametrize("rec, pids, expected", [
+    (_rec(), [1], True),
+    (_rec(), [], False),                              # nothing to freeze
+    (_rec(frozen_by="user"), [1], False),             # a user's pause is never the guard's
+    (_rec(frozen_by="guard"), [1], False),            # frozen already
+    (_rec(state="completed"), [1], False),            # survivors of a completed turn are not work in flight
+])
+def test_eligible(rec, pids, expected):
+    assert eligible(rec, pids) is expected
+
+
+@pytest.mark.parametrize("total, prev, elapsed, expected", [
+    (100_000, 0, 2.0, True),      # 100 ms of stall in 2 s, scaled to the 2 s window: at the threshold
+    (99_999, 0, 2.0, False),
+    (50_000, 0, 1.0, True),       # 50 ms in 1 s is 100 ms per 2 s window
+    (10, 0, 0.0, False),          # no time passed: nothing measured
+])
+def test_still_pressing(total, prev, elapsed, expected):
+    assert still_pressing(total, prev, elapsed, window=2.0, threshold=100_000) is expected
+
+
+# (crossed, still, now) at each wake-up, and the Step expected; thaw_after 5, last over at -5 (a start).
+@pytest.mark.parametrize("wakeups, steps", [
+    ([(False, False, 1.0)], [Step(refresh=True, thaw=True)]),                    # quiet: baselines only
+    ([(True, True, 1.0)], [Step(began=True, act=True)]),                          # a crossing: on, act
+    ([(True, True, 1.0), (True, True, 2.0)], [Step(began=True, act=True), Step(act=True)]),  # on already
+    ([(True, True, 1.0), (False, True, 4.0), (False, False, 8.0), (False, False, 9.0)],
+     [Step(began=True, act=True), Step(), Step(), Step(ended=True, thaw=True)]),  # still on at 4: ends at 9
+    ([(True, True, 1.0), (False, False, 6.0)], [Step(began=True, act=True), Step(ended=True, thaw=True)]),
+])
+def test_hold_steps(wakeups, steps):
+    hold = Hold(thaw_after=5.0, last_over=-5.0)
+    assert [hold.step(c, s, now, cumulative=True) for c, s, now in wakeups] == steps
+
+
+def test_hold_on_memory_refreshes_nothing():
+    assert Hold(thaw_after=5.0, last_over=-5.0).step(False, False, 1.0, cumulative=False) == Step(thaw=True)
+
+
+@pytest.mark.parametrize("frozen_at, now, expected", [(None, 100.0, False), (40.0, 100.0, True),
+                                                      (40.1, 100.0, False)])
+def test_frozen_too_long(frozen_at, now, expected):
+    assert frozen_too_long(frozen_at, now, abandon_after=60.0) is expected
+
+
+@pytest.mark.parametrize("holding, cumulative, expected", [(True, True, 1000), (True, False, 1000),
+                                                           (False, True, 2000), (False, False, None)])
+def test_poll_timeout(holding, cumulative, expected):
+    assert poll_timeout_ms(holding, 2.0, cumulative) == expected
+    assert poll_timeout_ms(True, 0.01, cumulative) == 50  # never a busy loop
 
 
 @pytest.mark.parametrize("kwargs, rule", [
@@ -208,18 +265,24 @@ def _claim_over(mgr) -> dict:
 
 def test_admission_waits_while_over_then_admits(cgroup2_manager):
     state = _claim_over(cgroup2_manager)
-    cleared = threading.Event()
+    clearing = threading.Event()
 
     def clear():
-        time.sleep(0.3)
+        # Set before the save that lets admission through, so a begin_turn that returns saw it set.
+        clearing.set()
         state["over"] = False
         guard_state.save(cgroup2_manager.backend, state)
-        cleared.set()
 
-    threading.Thread(target=clear).start()
-    turn = cgroup2_manager.begin_turn("t", "u", admit_timeout=30)
-    assert cleared.is_set() and turn.state == "running"
-    turn.complete()
+    # A delay, not a wait: admission must be waiting (over) when the pressure clears.
+    timer = threading.Timer(0.3, clear)
+    timer.start()
+    try:
+        turn = cgroup2_manager.begin_turn("t", "u", admit_timeout=30)
+        assert clearing.is_set() and turn.state == "running"
+        turn.complete()
+    finally:
+        timer.cancel()
+        timer.join()
 
 
 def test_admission_raises_overloaded_and_without_timeout_is_immediate(cgroup2_manager):
@@ -236,9 +299,14 @@ def test_admission_raises_overloaded_and_without_timeout_is_immediate(cgroup2_ma
 
 def test_admission_ignores_a_dead_guard(cgroup2_manager):
     state = _claim_over(cgroup2_manager)
+    with pytest.raises(Overloaded):  # while the guard lives, its pressure holds admission back
+        cgroup2_manager.begin_turn("t", "held", admit_timeout=0)
     state["owner_start"] += 1  # a pid whose start time does not match: not this guard
     guard_state.save(cgroup2_manager.backend, state)
-    cgroup2_manager.begin_turn("t", "u", admit_timeout=0).complete()
+    assert guard_state.live(cgroup2_manager.backend) is None
+    turn = cgroup2_manager.begin_turn("t", "u", admit_timeout=0)
+    assert turn.state == "running" and [i.turn for i in cgroup2_manager.turns("t")] == ["u"]
+    turn.complete()
 
 
 def test_cli_run_admit_timeout_exits_125(cgroup2_manager, cgroup2_root, state_dir):
@@ -284,6 +352,10 @@ def test_guard_freezes_the_hog_then_thaws_it(cgroup2_root, state_dir, gateway):
         state = guard_state.live(mgr.backend)
         assert state["over"] is True and state["file"] == os.path.join(gateway, "cpu.pressure")
         assert [r["task"] for r in _ps(cgroup2_root, state_dir) if r["frozen"]] == ["t"]
+        # Stop the stand-in gateway (the fixture's process): its cgroup then stalls no more, however
+        # loaded the host is, so the pressure surely falls (on a busy host the gateway kept stalling).
+        for pid in open(os.path.join(gateway, "cgroup.procs")).read().split():
+            os.kill(int(pid), signal.SIGKILL)
         assert wait_until(lambda: any(r.get("action") == "thaw" and r["reason"] == "guard"
                                       for r in audit_records(state_dir, "hog")), timeout=DEADLINE)
         assert hog.record.state == "running"

@@ -23,30 +23,9 @@ PACKAGE_DIR = os.path.join(TOP, "cgturn")
 DESIGN = os.path.join(TOP, "docs", "design.md")
 SCRIPTS = os.path.join(TOP, "scripts")
 
-# The house redesign (issue 20) lands on several branches at once; until they merge, the modules
-# below still hold the violations those branches remove (by check). The integrator sets this to False
-# at the merge (and deletes the three sets): every check then holds for every module, strictly.
-PENDING_HOUSE_MERGE = True
-PENDING = {
-    "imports": {"cgturn.guard", "cgturn.kernel.observe", "cgturn.manager", "cgturn.model", "cgturn.supervisor"},
-    # the type-level knot: model's TYPE_CHECKING import of turn, and every module it ties in
-    "cycles": {
-        "cgturn.backends.base", "cgturn.backends.cgroup2", "cgturn.backends.cgroup2_governance",
-        "cgturn.backends.cgroup2_killing", "cgturn.backends.cgroup2_views", "cgturn.backends.metadata",
-        "cgturn.backends.reaper", "cgturn.backends.registry", "cgturn.backends.registry_db",
-        "cgturn.backends.spawn_paths", "cgturn.clocks", "cgturn.control", "cgturn.governance", "cgturn.guard",
-        "cgturn.host", "cgturn.kernel.observe", "cgturn.killing", "cgturn.leases", "cgturn.listing",
-        "cgturn.manager", "cgturn.model", "cgturn.recovery", "cgturn.sentinel", "cgturn.turn"},
-    "size": {"cgturn.backends.cgroup2", "cgturn.backends.registry", "cgturn.guard", "cgturn.kernel.cgroupfs",
-             "cgturn.manager", "cgturn.sentinel", "cgturn.supervisor"},
-}
-
-
 def cases(check: str) -> list:
-    """Every module as a parameter; those PENDING for `check` xfail while PENDING_HOUSE_MERGE."""
-    mark = pytest.mark.xfail(strict=False, reason="until the house branches merge")
-    return [pytest.param(m, marks=[mark] if PENDING_HOUSE_MERGE and m in PENDING[check] else [])
-            for m in MODULES]
+    """Every module as a parameter of `check` (one test id per module, so a failure names it)."""
+    return list(MODULES)
 
 
 def load() -> Graph:

@@ -10,9 +10,16 @@ import uuid
 import pytest
 
 from cgturn import TurnManager, attach_sentinel
-from cgturn.sentinel import SLACK
-from conftest import (DAEMON_AND_WAIT, PY, alive, audit_reasons, cgturn_env, cgturn_popen, destroy_cgroup_tree,
-                      kill_scope, need_cgroup2, wait_until)
+from cgturn import sentinel_protocol as protocol
+from cgturn.errors import SentinelUnavailable
+from cgturn.processes import start_time
+from cgturn.sentinel import await_ready
+from cgturn.sentinel_server import Sentinel
+from conftest import (DAEMON_AND_WAIT, PY, alive, audit_reasons, audit_records, cgturn_env, cgturn_popen,
+                      destroy_cgroup_tree, kill_scope, need_cgroup2, wait_until)
+
+# How long a test waits for the sentinel to act: a bound, not a measurement (other runs share the cores).
+BOUND = 20.0
 
 # The owner: begins turns, prints what the test needs as one JSON line, then blocks in a supervisor.
 OWNER = textwrap.dedent("""
@@ -83,9 +90,9 @@ def test_sentinel_kills_a_stopped_owners_turn_on_time(owner):
     # Touched for 3x the timeout: alive, so the touches reached the sentinel.
     assert all(alive(pid) for pid in info["pids"])
     os.kill(p.pid, signal.SIGSTOP)
-    bound = timeout + SLACK + 0.2 + 1.0
-    assert wait_until(lambda: not any(alive(pid) for pid in info["pids"]), timeout=bound)
-    assert wait_until(lambda: "timeout" in audit_reasons(mgr.state_dir, "live"))  # written after the kill
+    assert wait_until(lambda: not any(alive(pid) for pid in info["pids"]), timeout=BOUND)
+    # The owner is stopped the whole time: the one kill, for inactivity, is the sentinel's.
+    assert wait_until(lambda: audit_reasons(mgr.state_dir, "live") == ["timeout"])  # written after the kill
     assert alive(info["survivor"]) and alive(info["sentinel"])  # completed turn's survivor lives on
     os.kill(p.pid, signal.SIGKILL)
     assert p.wait(timeout=10) == -signal.SIGKILL
@@ -97,11 +104,14 @@ def test_sigkilled_owner_loses_its_running_turns_at_once(owner):
     p, info, mgr = owner()
     os.kill(p.pid, signal.SIGKILL)
     assert p.wait(timeout=10) == -signal.SIGKILL
-    assert wait_until(lambda: not any(alive(pid) for pid in info["pids"]), timeout=1.0)
+    assert wait_until(lambda: not any(alive(pid) for pid in info["pids"]), timeout=BOUND)
     assert wait_until(lambda: not alive(info["sentinel"]))
     assert alive(info["survivor"])
     assert [i.state for i in mgr.turns("gw")] == ["completed"]
     assert wait_until(lambda: audit_reasons(mgr.state_dir, "live") == ["owner-died"])
+    # At once: no grace (the timeout is 60 s away and no SIGTERM is sent first).
+    [kill] = [r for r in audit_records(mgr.state_dir, "live") if r.get("action", "kill") == "kill"]
+    assert kill["signals"] == ["SIGKILL"]
     mgr.close()
 
 
@@ -161,10 +171,93 @@ def test_sigstop_to_cgturn_run_does_not_stop_its_timeout(cgroup2_root, state_dir
         os.kill(p.pid, signal.SIGSTOP)
         # Only the sentinel can kill it while `cgturn run` is stopped; the bound is generous because
         # a loaded machine delays the sentinel, and without it the daemon would live until SIGCONT.
-        assert wait_until(lambda: not alive(daemon), timeout=0.5 + SLACK + 0.2 + 15.0)
+        assert wait_until(lambda: not alive(daemon), timeout=BOUND)
         os.kill(p.pid, signal.SIGCONT)
         assert p.wait(timeout=30) == 124
         assert audit_reasons(state_dir)[-1] == "timeout"
     finally:
         p.kill()
         p.wait()
+
+
+# --- the protocol's version: a sentinel or an owner of another version is refused, never half understood ---
+
+@pytest.mark.parametrize("version, said", [(None, r"no version \(an older cgturn\)"), (0, "version 0"), (2, "version 2"),
+                                           (True, "version True"), ("1", "version '1'")])
+def test_messages_of_another_version_are_refused(version, said):
+    msg = protocol.track("t", "u", None, 5.0, 0.0, 1.0)
+    assert protocol.parse_message(protocol.encode(msg))["op"] == "track"
+    if version is None:
+        del msg["v"]
+    else:
+        msg["v"] = version
+    with pytest.raises(ValueError, match=f"protocol {said}, this cgturn speaks version {protocol.VERSION}"):
+        protocol.parse_message(protocol.encode(msg))
+    old = {"op": "guard", "key": msg["key"], "task": "t", "turn": "u"}  # what a sentinel before versions got
+    with pytest.raises(ValueError, match="no version"):
+        protocol.parse_message(protocol.encode(old))
+
+
+def test_every_message_round_trips():
+    for msg, op in ((protocol.track("t", "u", 3.0, None, 1.0, 2.0), "track"), (protocol.touch("t", "u", 4.0), "touch"),
+                    (protocol.untrack("t", "u"), "untrack"), (protocol.lease("t", "u", None), "lease")):
+        assert protocol.parse_message(protocol.encode(msg))["op"] == op
+    assert protocol.parse_reply(protocol.encode(protocol.ready(None))) == {"op": "ready", "log_problem": None}
+    assert protocol.parse_reply(protocol.encode(protocol.error("no", guard=True)))["guard"] is True
+
+
+@pytest.mark.parametrize("reply, said", [({"op": "ready"}, "no version"), ({"op": "ready", "v": 2}, "version 2")])
+def test_owner_refuses_a_ready_of_another_version(reply, said):
+    """The owner's side of the handshake on a real socketpair, the sentinel's end written by the test."""
+    import socket
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with ours, theirs:
+        theirs.send(json.dumps(reply).encode())
+        with pytest.raises(SentinelUnavailable, match=f"the sentinel speaks protocol {said}"):
+            await_ready(ours, 10.0)
+        theirs.send(protocol.encode(protocol.ready(None)))
+        assert await_ready(ours, 10.0)["op"] == "ready"  # and one of its own version is taken
+
+
+@pytest.mark.parametrize("args, said", [([], "no version"), (["--protocol", "0"], "version 0")])
+def test_sentinel_refuses_an_owner_of_another_version(tmp_path, args, said):
+    """A real sentinel process started the way an owner of another version (or one from before
+    versions, which passes no --protocol) would start it: it answers `error` naming both and exits 1."""
+    import socket
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    me = os.getpid()
+    argv = [PY, "-m", "cgturn.sentinel_main", "--fd", str(theirs.fileno()), *args, "--owner-pid", str(me),
+            "--owner-start", str(start_time(me)), "--backend", "registry", "--state-dir", str(tmp_path)]
+    proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), env=cgturn_env(), stdin=subprocess.DEVNULL)
+    theirs.close()
+    with ours:
+        assert proc.wait(timeout=60) == 1
+        reply = protocol.parse_reply(ours.recv(protocol.MAX_MESSAGE))
+    assert reply["op"] == "error" and f"the owner speaks protocol {said}" in reply["message"]
+    assert f"this cgturn speaks version {protocol.VERSION}" in reply["message"]
+    assert "refuses to start" in (tmp_path / "sentinel.log").read_text()
+
+
+def test_sentinel_drops_a_message_of_another_version(manager, caplog):
+    """The sentinel's loop on a real socketpair: a `track` of another version is dropped with its
+    reason logged; the same message of its own version is tracked."""
+    import socket
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    me = os.getpid()
+    server = Sentinel(manager, theirs, me, start_time(me))
+    turn = manager.begin_turn("v", "t")
+    msg = protocol.track(turn.task_id, turn.turn_id, None, 60.0, 0.0, turn.last_activity)
+    with ours:
+        ours.send(protocol.encode({**msg, "v": protocol.VERSION + 1}))
+        server.drain()
+        assert server.tracked == {}
+        assert any("dropped a message from the owner: protocol version 2" in r.getMessage() for r in caplog.records)
+        ours.send(protocol.encode(msg))
+        server.drain()
+        assert list(server.tracked) == [turn.names]
+    theirs.close()
+    os.close(server.owner_pidfd)
+    turn.abandon("test-done", grace=0)

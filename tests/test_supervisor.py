@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cgturn import Run, Supervisor, reap_disconnected
+from cgturn import Run, Supervisor, reap_disconnected, watchdog
 from conftest import alive, audit_records, wait_until
 
 SLEEP = ["sleep", "300"]
@@ -45,7 +45,9 @@ def test_watchdog_fires_while_the_event_loop_is_blocked(manager):
         return "late reply"
 
     async def main():
-        sup = Supervisor(turn, timeout=timeout, grace=grace)
+        # No sentinel: its copy of the timeout (0.25 s later) would kill the turn too, on a loaded host
+        # first, and hide a watchdog that did not fire.
+        sup = Supervisor(turn, timeout=timeout, grace=grace, use_sentinel=False)
         threading.Thread(target=monitor, args=(time.monotonic(),), daemon=True).start()
         return await sup.run(worker)
 
@@ -99,7 +101,10 @@ def test_completion_timeout_race(manager):
             await one(i)
 
     asyncio.run(main())
-    print("race outcomes:", seen)
+    # Aimed at the finish, either may win a round; the two forced rounds make sure both orders ran.
+    seen["abandoned" if _forced_abandon_first(manager).abandoned else "completed"] += 1
+    seen["completed" if _forced_completion_first(manager).completed else "abandoned"] += 1
+    assert seen["completed"] >= 1 and seen["abandoned"] >= 1, seen
     for proc in survivors.values():
         assert proc.poll() is None
     # abandoned turns and completed empty ones are gone; exactly the turns with a survivor remain
@@ -107,6 +112,60 @@ def test_completion_timeout_race(manager):
     manager.end_task("race", grace=0)
     for proc in survivors.values():
         assert proc.wait(timeout=10) == -signal.SIGKILL
+
+
+def _forced_abandon_first(manager):
+    """The timeout is decided while the worker runs; the worker returns right after the decision, so
+    its completion lands on an abandoned turn: the abandon stands, the result is discarded."""
+    turn = manager.begin_turn("race", "forced-abandon")
+    proc = turn.spawn(SLEEP)
+    decided = threading.Event()
+    sup = Supervisor(turn, timeout=0.05, grace=0, use_sentinel=False, on_interrupt=lambda why: decided.set())
+
+    def worker():
+        assert decided.wait(30)
+        return "reply"
+
+    outcome = sup.run_blocking(worker)
+    assert outcome.abandoned and outcome.reason == "timeout" and outcome.result is None
+    assert proc.wait(timeout=10) == -signal.SIGKILL and turn.state == "abandoned"
+    return outcome
+
+
+class _Stall:
+    """A watchdog client that holds the process's watchdog thread until released."""
+
+    finished = False
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def on_due(self, now):
+        self.entered.set()
+        self.release.wait(30)
+
+
+def _forced_completion_first(manager):
+    """The worker outlives its timeout while the watchdog thread is held, so the timeout is due but not
+    yet decided when the worker returns: the completion wins and the turn is completed."""
+    turn = manager.begin_turn("race", "forced-completion")
+    stall = _Stall()
+    watchdog.shared().schedule(stall, time.monotonic())
+    try:
+        assert stall.entered.wait(30)
+        timeout = 0.05
+        sup = Supervisor(turn, timeout=timeout, grace=0, use_sentinel=False)
+
+        def worker():
+            began = time.monotonic()
+            assert wait_until(lambda: time.monotonic() >= began + 2 * timeout)  # due by now
+            return "reply"
+
+        outcome = sup.run_blocking(worker)
+    finally:
+        stall.release.set()
+    assert outcome.completed and outcome.result == "reply" and turn.state == "completed"
+    return outcome
 
 
 def test_stop_after_completion_kills_nothing(manager):
@@ -245,10 +304,14 @@ def test_hard_deadline_holds_despite_activity(manager):
     stop = threading.Event()
 
     def busy():
-        while not stop.wait(0.02):
+        end = time.monotonic() + 60  # without a deadline the worker would return and the turn complete
+        while not stop.wait(0.02) and time.monotonic() < end:
             turn.touch()
 
-    sup = Supervisor(turn, timeout=0.2, deadline=0.6, grace=0, on_interrupt=lambda why: stop.set())
+    # Always active (the activity callable says "now" at every look), however loaded the host: only
+    # the deadline can end this turn.
+    sup = Supervisor(turn, timeout=0.2, deadline=0.6, grace=0, activity=time.monotonic,
+                     on_interrupt=lambda why: stop.set())
     outcome = sup.run_blocking(busy)
     assert outcome.reason == "deadline" and _audit(manager, turn.turn_id)[-1]["reason"] == "deadline"
     assert proc.wait(timeout=10) == -signal.SIGKILL

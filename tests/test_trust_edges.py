@@ -90,14 +90,14 @@ def test_sentinel_survives_oversized_and_malformed_messages(live_sentinel):
     turn = mgr.begin_turn("t", "u")
     proc = turn.spawn(["sleep", "300"])
     for junk in (b"{" * (sentinel.MAX_MESSAGE + 10),              # would be cut to 64 KiB of garbage
-                 json.dumps({"op": "guard", "key": ["a", "b"], "task": "a", "turn": "b",
+                 json.dumps({"op": "track", "key": ["a", "b"], "task": "a", "turn": "b",
                              "pad": "x" * sentinel.MAX_MESSAGE}).encode(),  # valid JSON, too long
-                 b"\xff\xfe", b"{", b"[]", b"{}", b'{"op": "guard"}', b'{"op": "touch", "key": 5}'):
+                 b"\xff\xfe", b"{", b"[]", b"{}", b'{"op": "track"}', b'{"op": "touch", "key": 5}'):
         client._sock.settimeout(10)  # the client's socket is non-blocking: wait for room, as _send does
         client._sock.sendall(junk)
     client._sock.setblocking(False)
-    # Still serving: a deadline guard sent after the junk is enforced.
-    client.guard(turn, deadline=time.monotonic())
+    # Still serving: a deadline tracked after the junk is enforced.
+    client.track(turn, deadline=time.monotonic())
     assert wait_until(lambda: proc.poll() is not None, timeout=30)
     # the record is written once the kill is complete, a moment after the process died
     assert wait_until(lambda: [r["reason"] for r in audit.read_records(mgr.state_dir)] == ["deadline"], timeout=30)
@@ -108,7 +108,7 @@ def test_sentinel_client_refuses_to_send_an_oversized_message(live_sentinel):
     _mgr, client = live_sentinel
     fake = types.SimpleNamespace(task_id="t", turn_id="x" * (sentinel.MAX_MESSAGE + 1), last_activity=0.0)
     with pytest.raises(ValueError, match="limit"):
-        client.guard(fake)
+        client.track(fake)
     assert client.process.poll() is None and not client.closed
 
 

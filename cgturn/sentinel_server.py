@@ -1,0 +1,257 @@
+"""The sentinel process's loop: read the owner's channel, watch the owner, abandon tracked turns
+that are due, expire leases.
+
+It holds every tracked turn's hard deadline and inactivity timeout (`TurnClock`, the clocks of
+cgturn.clocks plus SLACK) and abandons the turn through the same library path as the owner (a
+TurnManager of its own, so the atomic first-transition-wins rule and the audit log hold).
+
+Owner death: the sentinel holds a pidfd of the owner (5.3+) and also sees EOF on the socket. When the
+owner is dead it abandons every running turn it tracks at once (reason `owner-died`, no grace);
+completed turns are not tracked, so their survivors stay. Leases: at a lease's expiry it reads the
+turn's record (the one truth: another process may have moved the lease) and kills the survivors
+(reason `lease-expired`) if it has run out. It exits when it tracks nothing and the owner's channel is
+closed.
+"""
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from . import clocks, ids, leases, probes, reasons
+from .logfields import turn_fields
+from .model import ABANDONED, COMPLETED
+from .sentinel_protocol import MAX_MESSAGE, parse_message
+
+if TYPE_CHECKING:
+    from .manager import TurnManager
+
+log = logging.getLogger("cgturn.sentinel")
+
+# Added to every due time in the sentinel: covers the owner's touch rate limit and lets the
+# in-process watchdog (which fires the interrupt and knows the exact activity) act first when it can.
+SLACK = 0.25
+# How often the sentinel drops clocks of turns that ended without telling it (CLI stop, end_task).
+SWEEP_INTERVAL = 0.5
+
+
+@dataclass
+class TurnClock:
+    """One tracked turn: its deadlines as the sentinel sees them."""
+
+    task: str
+    turn: str
+    deadline: float | None
+    inactivity: float | None
+    grace: float
+    last: float
+    # Frozen time the clocks leave out, learnt from the turn's record when a due time arrives.
+    frozen: clocks.FrozenTime = field(default_factory=clocks.FrozenTime)
+
+    def due(self) -> tuple[float, str] | None:
+        """(monotonic time at which to abandon, reason), or None when only owner death ends it."""
+        return clocks.due(self.deadline, self.inactivity, self.last, self.frozen, SLACK)
+
+    def due_after_look(self, state: tuple[float, bool], now: float) -> tuple[float, str] | None:
+        """`due` once a fresh `clocks.frozen_state` of the turn's record is accounted."""
+        return clocks.due_after_look(self.deadline, self.inactivity, self.last, self.frozen, state, now, SLACK)
+
+
+class Sentinel:
+    """The loop of the sentinel process: read the channel, watch the owner, abandon due turns.
+
+    Args:
+        manager: the sentinel's own TurnManager (sentinel=False) of the owner's managed root.
+        sock: the sentinel's end of the owner's channel.
+        owner_pid, owner_start: the owner (pid + start time in clock ticks).
+    """
+
+    def __init__(self, manager: "TurnManager", sock: socket.socket, owner_pid: int, owner_start: int | None):
+        self.manager = manager
+        self._control = manager._control
+        self.sock: socket.socket | None = sock
+        self.tracked: dict[tuple[str, str], TurnClock] = {}
+        self.leases: dict[tuple[str, str], float] = {}  # turn key -> monotonic time to look at its lease
+        self.owner_pidfd = probes.open_owner(owner_pid, owner_start)
+        self.owner_dead = self.owner_pidfd is None
+        self.kills: list[threading.Thread] = []
+        self._next_sweep = time.monotonic() + SWEEP_INTERVAL
+
+    def run(self) -> None:
+        """Serve until nothing is tracked and the owner's channel is closed, or the owner died."""
+        while True:
+            self._wait_and_read(self._timeout())
+            if self.owner_dead:
+                # Everything the owner sent before it died is read by now (_drain reads to EAGAIN/EOF).
+                self._abandon_all(reasons.OWNER_DIED)
+                break
+            self._fire_due()
+            self._expire_due_leases()
+            self._sweep()
+            if self.sock is None and not self.tracked:
+                break
+        if self.sock is not None:
+            self.sock.close()
+        for thread in self.kills:
+            thread.join()
+
+    def _timeout(self) -> float:
+        if self.owner_dead:
+            return 0.0
+        now = time.monotonic()
+        dues = [d[0] for c in self.tracked.values() if (d := c.due()) is not None] + list(self.leases.values())
+        nearest = min(dues, default=now + 3600)
+        if self.tracked:
+            nearest = min(nearest, self._next_sweep)
+        return max(0.0, nearest - now)
+
+    def _wait_and_read(self, timeout: float) -> None:
+        poller = select.poll()
+        if self.sock is not None:
+            poller.register(self.sock.fileno(), select.POLLIN)
+        if self.owner_pidfd is not None and not self.owner_dead:
+            poller.register(self.owner_pidfd, select.POLLIN)
+        for fd, _ in poller.poll(int(timeout * 1000) + 1):
+            if fd == self.owner_pidfd:
+                self.owner_dead = True  # a pidfd polls readable once its process has exited
+        if self.sock is not None:
+            self.drain()
+
+    def drain(self) -> None:
+        """Read and handle every datagram waiting on the channel (to EAGAIN or EOF)."""
+        while self.sock is not None:
+            try:
+                # SOCK_SEQPACKET keeps datagram boundaries; a longer one is cut and flagged MSG_TRUNC.
+                data, _anc, flags, _addr = self.sock.recvmsg(MAX_MESSAGE, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                data, flags = b"", 0
+            if flags & socket.MSG_TRUNC:
+                log.error("dropped a message longer than %d bytes from the owner", MAX_MESSAGE)
+                continue
+            if not data:
+                self.sock.close()
+                self.sock = None
+                # EOF: the owner closed its manager or died; a pidfd poll tells which.
+                if self.owner_pidfd is not None and select.select([self.owner_pidfd], [], [], 0)[0]:
+                    self.owner_dead = True
+                return
+            try:
+                self._handle(parse_message(data))
+            except ValueError as err:
+                # Acting on a damaged message could track or kill the wrong turn: drop it, keep serving.
+                log.error("dropped a message from the owner: %s", err)
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        op, key = msg["op"], msg["key"]
+        if op == "track":
+            clock = TurnClock(msg["task"], msg["turn"], msg["deadline"], msg["inactivity"], msg["grace"], msg["last"])
+            if clock.due() is not None:  # frozen time before the clocks started is not theirs
+                clock.frozen.seen = self._frozen_state(key)[0]
+            self.tracked[key] = clock
+        elif op == "touch":
+            touched = self.tracked.get(key)
+            if touched is not None:
+                touched.last = max(touched.last, msg["at"])
+        elif op == "untrack":
+            self.tracked.pop(key, None)
+        elif op == "lease":
+            if msg["expires_at"] is None:
+                self.leases.pop(key, None)
+            else:  # wall clock to monotonic: the record is checked against the wall clock when due
+                self.leases[key] = time.monotonic() + max(0.0, msg["expires_at"] - time.time())
+
+    def _fire_due(self) -> None:
+        now = time.monotonic()
+        for key, clock in list(self.tracked.items()):
+            due = clock.due()
+            if due is not None and due[0] <= now:
+                # The clocks stop while the turn is frozen: the record is read only now.
+                due = clock.due_after_look(self._frozen_state(key, clock.frozen.seen), now)
+            if due is not None and due[0] <= now:
+                del self.tracked[key]
+                self._kill(clock, due[1], clock.grace)
+
+    def _frozen_state(self, key: tuple[str, str], otherwise: float = 0.0) -> tuple[float, bool]:
+        """`clocks.frozen_state` of the turn's record; `otherwise` when it cannot be read."""
+        try:
+            rec = self._control.record(*key)
+        except Exception:  # noqa: BLE001 - an unreadable record must not keep a turn alive
+            log.exception("cannot read the record of %r", key, extra=_key_fields(key))
+            rec = None
+        return clocks.frozen_state(rec, time.time(), otherwise)
+
+    def _expire_due_leases(self) -> None:
+        now = time.monotonic()
+        for key, due in list(self.leases.items()):
+            if due > now:
+                continue
+            del self.leases[key]
+            try:
+                rec = self._control.record(*key)
+            except Exception:  # noqa: BLE001 - one unreadable record must not end the sentinel
+                log.exception("cannot read the record of %r", key, extra=_key_fields(key))
+                continue
+            if leases.expired(rec, time.time()):
+                self._start_thread(self._expire, key)
+            elif rec is not None and rec.state == COMPLETED and rec.expires_at is not None:
+                self.leases[key] = now + max(0.0, rec.expires_at - time.time())  # moved meanwhile
+
+    def _expire(self, key: tuple[str, str]) -> None:
+        try:
+            result = self._control.expire_lease(*key)
+            if not result.skipped:
+                log.info("lease of %r expired: killed %s", key, result.killed,
+                         extra=_key_fields(key, result.reason, pids=result.killed))
+        except Exception:  # noqa: BLE001 - one failed kill must not end the sentinel
+            log.exception("sentinel could not expire the lease of %r", key, extra=_key_fields(key, reasons.LEASE_EXPIRED))
+
+    def _abandon_all(self, reason: str) -> None:
+        for key, clock in list(self.tracked.items()):
+            del self.tracked[key]
+            self._kill(clock, reason, 0.0)
+
+    def _kill(self, clock: TurnClock, reason: str, grace: float) -> None:
+        self._start_thread(self._abandon, clock, reason, grace)
+
+    def _start_thread(self, target: Callable[..., None], *args: Any) -> None:
+        # One thread per kill: a turn's grace period must not delay another turn's deadline.
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        self.kills.append(thread)
+
+    def _abandon(self, clock: TurnClock, reason: str, grace: float) -> None:
+        try:
+            result = self.manager.turn(clock.task, clock.turn).abandon(reason, grace=grace)
+            if not result.skipped:
+                log.info("abandoned %r/%r: %s, killed %s", clock.task, clock.turn, reason, result.killed,
+                         extra=turn_fields(clock.task, clock.turn, result.reason, pids=result.killed))
+        except Exception:  # noqa: BLE001 - one failed kill must not end the sentinel
+            log.exception("sentinel could not abandon %r/%r", clock.task, clock.turn,
+                          extra=turn_fields(clock.task, clock.turn, reason))
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_INTERVAL
+        for key in list(self.tracked):
+            # Only an ended turn loses its clock: a turn whose record was garbled (state "corrupt")
+            # is still a turn to kill when its owner dies.
+            if self._control.turn_state(*key) in (None, COMPLETED, ABANDONED):
+                del self.tracked[key]
+                continue
+            try:  # a limit the kernel enforced is audited even while the owner is stopped
+                self._control.check_limits(*key)
+            except Exception:  # noqa: BLE001 - auditing must never stop the sentinel
+                log.exception("could not check the limits of %r", key, extra=_key_fields(key))
+
+
+def _key_fields(key: tuple[str, str], reason: str | None = None, **more: Any) -> dict[str, Any]:
+    """Log fields for the turn at these encoded names (its original ids where they decode)."""
+    return turn_fields(ids.decode(key[0]) or key[0], ids.decode(key[1]) or key[1], reason, **more)
