@@ -37,7 +37,7 @@ _EXPORTS = {
 # old name -> (module, the name there, what to use instead).
 _DEPRECATED = {
     "choose_backend": ("host", "choose_backend", "TurnManager(backend=...) chooses the backend"),
-    "attach_sentinel": ("sentinel", "attach_sentinel", "a Supervisor starts the sentinel of its manager"),
+    "attach_sentinel": ("sentinel", "attach_sentinel", "Supervisor.start_sentinel(manager)"),
     "reap_disconnected": ("supervisor", "abandon_disconnected", "cgturn.abandon_disconnected"),
     "areap_disconnected": ("supervisor", "aabandon_disconnected", "cgturn.aabandon_disconnected"),
 }

@@ -268,7 +268,7 @@ def _connect(it: Integration) -> None:
         # Leftovers of an earlier worker on this root whose sentinels died too, and expired leases.
         it.manager = cgturn.TurnManager(recover=True, sentinel=it.defaults.get("sentinel", True))
         if it.role == "solo" and it.manager.sentinel_enabled:
-            cgturn.attach_sentinel(it.manager)
+            cgturn.Supervisor.start_sentinel(it.manager)
 
     def worker_process_init(**_: Any) -> None:
         if it.role != "main":
@@ -276,7 +276,7 @@ def _connect(it: Integration) -> None:
         it.role = "pool"
         it.manager = cgturn.TurnManager(sentinel=it.defaults.get("sentinel", True))  # its own, after fork
         if it.manager.sentinel_enabled:
-            cgturn.attach_sentinel(it.manager)  # before any turn is entered, so it is in none
+            cgturn.Supervisor.start_sentinel(it.manager)  # before any turn is entered, so it is in none
 
     def task_prerun(sender: Any = None, task_id: str = "", args: Any = None, kwargs: Any = None, **_: Any) -> None:
         if it.role in ("pool", "solo") and ours(sender):

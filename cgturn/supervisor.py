@@ -342,6 +342,22 @@ class Supervisor:
             self._settled.set()
             self._fired()
 
+    @staticmethod
+    def start_sentinel(manager: Any) -> int | None:
+        """Start the sentinel of `manager` now, before any turn exists; its pid, or None when the
+        manager's sentinel is switched off (`TurnManager(sentinel=False)`, env CGTURN_SENTINEL=0).
+
+        A Supervisor starts it on first use; a process that must not run a turn's first command
+        unguarded (`cgturn run`: a SIGKILLed owner's turn is abandoned at once) starts it first, and
+        every turn the manager begins afterwards is tracked from its first moment.
+
+        Raises:
+            SentinelUnavailable: the sentinel did not report ready.
+            GuardUnavailable: the sentinel could not arm the manager's pressure guard.
+        """
+        client = sentinel.attach(manager)
+        return None if client is None else client.pid
+
     def stop(self, reason: str = REASON_STOP, grace: float | None = None, interrupt: bool = True) -> AbandonResult:
         """Abandon the supervised turn: the one abandon path for every cause. Thread-safe, idempotent.
 

@@ -234,7 +234,7 @@ def per_turn_rows(root: str, state: str, count: int) -> dict:
     and of a plain directory (on /dev/shm)."""
     import asyncio
 
-    from cgturn import Supervisor, attach_sentinel
+    from cgturn import Supervisor
 
     floor_dir = os.path.join(root, "floor")
     os.makedirs(floor_dir)
@@ -281,7 +281,7 @@ def per_turn_rows(root: str, state: str, count: int) -> dict:
                      sentinel=False) as off, \
             TurnManager(root=os.path.join(root, "on"), backend="cgroup2", state_dir=os.path.join(state, "on"),
                         sentinel=True) as on:
-        attach_sentinel(on)
+        Supervisor.start_sentinel(on)
         variants = {
             "floor cgroup": lambda: timed("mkdir + rmdir, cgroup", lambda: mkdir_rmdir(cg_floor)),
             "floor dir": lambda: timed("mkdir + rmdir, directory", lambda: mkdir_rmdir(dir_floor)),

@@ -5,7 +5,8 @@ import threading
 
 import pytest
 
-from cgturn import RUNNING, Supervisor, attach_sentinel
+from cgturn import RUNNING, Supervisor
+from cgturn.sentinel import attach as attach_sentinel
 from cgturn.clocks import FROZEN_RECHECK, FrozenTime, due, due_after_look, frozen_state, frozen_total
 from cgturn.model import TurnRecord
 from conftest import audit_records, wait_until

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from cgturn import NoSuchTurn, TurnManager, attach_sentinel
+from cgturn import NoSuchTurn, TurnManager
+from cgturn.sentinel import attach as attach_sentinel
 from conftest import PY, alive, audit_records, cgturn_env, cli, wait_until
 
 SLEEP = ["sleep", "300"]

@@ -76,7 +76,7 @@ def run(args) -> int:
     limits = common.limits_from_args(args)  # contradictions exit 2 here, before a sentinel or a turn
     from ..identity import resolve_identity
     resolve_identity(args.user, args.group, args.extra_groups)  # an unknown user or group exits 2 here too
-    from .. import attach_sentinel  # supervision pulls in asyncio: only `run` pays for it
+    from .. import Supervisor  # supervision pulls in asyncio: only `run` pays for it
 
     try:
         manager = common.make_manager(args)
@@ -87,14 +87,14 @@ def run(args) -> int:
         # moment (a SIGKILLed `cgturn run` must not leave CMD running). Without a sentinel that
         # promise cannot be kept: refuse to start CMD rather than run it unguarded.
         try:
-            client = attach_sentinel(manager)
+            sentinel_pid = Supervisor.start_sentinel(manager)
             turn = manager.begin_turn(args.task, args.turn, limits=limits, admit_timeout=args.admit_timeout,
                                       seal=args.seal, network=args.network)
         except TurnExists:
             raise  # bad input (exit 2), not a failure to start
         except CgturnError as err:  # SentinelUnavailable, LimitsUnavailable, ...: CMD never started
             return _cannot_start(cmd, err)
-        return _supervise(turn, cmd, args, limits, sentinel_pid=client.pid if client is not None else None)
+        return _supervise(turn, cmd, args, limits, sentinel_pid=sentinel_pid)
     finally:
         manager.close()
 
