@@ -127,9 +127,9 @@ def test_cli_end_with_grace_and_reason(manager):
 
 
 def test_async_counterparts_never_block_the_loop(manager):
-    """aabandon, aend_task and areap_disconnected wait out a grace (SIGTERM ignored) in a thread: the
+    """aabandon, aend_task and aabandon_disconnected wait out a grace (SIGTERM ignored) in a thread: the
     loop keeps running meanwhile (a ticker advances), and each returns the sync call's result."""
-    from cgturn import Run, areap_disconnected
+    from cgturn import Run, aabandon_disconnected
 
     stubborn = ["sh", "-c", "trap '' TERM; echo ready; exec sleep 300"]
 
@@ -157,8 +157,8 @@ def test_async_counterparts_never_block_the_loop(manager):
         turn3, proc3 = start("as", "c")
         run = Run("r")
         run.mark("as", turn3)
-        three, ticks_c = await ticking(areap_disconnected(run, grace=0.3))
+        three, ticks_c = await ticking(aabandon_disconnected(run, grace=0.3))
         assert three.killed == [proc3.pid] and three.reason == "disconnect" and ticks_c > 1
-        assert await areap_disconnected(Run("idle")) is None
+        assert await aabandon_disconnected(Run("idle")) is None
 
     asyncio.run(main())

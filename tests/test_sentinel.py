@@ -9,7 +9,8 @@ import uuid
 
 import pytest
 
-from cgturn import TurnManager, attach_sentinel
+from cgturn import TurnManager
+from cgturn.sentinel import attach as attach_sentinel
 from cgturn import sentinel_protocol as protocol
 from cgturn.errors import SentinelUnavailable
 from cgturn.processes import start_time

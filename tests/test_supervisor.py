@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cgturn import Run, Supervisor, reap_disconnected, watchdog
+from cgturn import Run, Supervisor, abandon_disconnected, watchdog
 from conftest import alive, audit_records, wait_until
 
 SLEEP = ["sleep", "300"]
@@ -182,7 +182,7 @@ def test_stop_after_completion_kills_nothing(manager):
     assert outcome.completed and not run.owned
     result = sup.stop("stop")
     assert result.skipped and result.killed == []
-    assert reap_disconnected(run) is None
+    assert abandon_disconnected(run) is None
     assert interrupts == [] and outcome.result.poll() is None
     assert turn.state == "completed"
     manager.end_task("api")
@@ -192,7 +192,7 @@ def test_stop_after_completion_kills_nothing(manager):
 @pytest.mark.parametrize("cause, reason", [
     (lambda sup, run: sup.new_session(), "new-session"),
     (lambda sup, run: sup.stop(), "stop"),
-    (lambda sup, run: reap_disconnected(run), "disconnect"),
+    (lambda sup, run: abandon_disconnected(run), "disconnect"),
 ])
 def test_stop_causes_during_a_turn(manager, cause, reason):
     turn = manager.begin_turn("chat", "t")
@@ -229,10 +229,10 @@ def test_stop_causes_during_a_turn(manager, cause, reason):
 def test_disconnect_without_markers_is_a_no_op(manager):
     turn = manager.begin_turn("chat", "bystander")
     proc = turn.spawn(SLEEP)
-    assert reap_disconnected(Run("never-started")) is None
+    assert abandon_disconnected(Run("never-started")) is None
     blank = Run("blank")
     blank.mark("   ", turn)  # a blank task id never reaps anything
-    assert reap_disconnected(blank) is None
+    assert abandon_disconnected(blank) is None
     assert manager.kill_started_since(frozenset(), "") == 0
     assert proc.poll() is None and turn.state == "running"
     turn.abandon("cleanup", grace=0)
