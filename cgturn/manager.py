@@ -7,7 +7,7 @@ are on its `TurnControl` (`manager._control`, cgturn.control), limits on its `Go
 the directory (or registry row) it was resolved to, never from a record's claims: a record that does
 not agree with its directory reads as a CORRUPT turn, which any abandon kills.
 """
-# size: a little over 350 lines: the API applications call, each method with its documentation; the work is in the modules it composes.
+# size: a little over the limit: the API applications call, each method with its documentation; the work is in the modules it composes.
 from __future__ import annotations
 
 import os

@@ -19,12 +19,12 @@ The sentinel (cgturn.sentinel) holds the same deadlines outside the process, for
 stopped, wedged or dead.
 
 This module keeps the decision and the ways of running a worker together, as they share one lock and
-one outcome (~540 lines, a third of them docstrings, over the house limit on purpose: the race rules
+one outcome (over the house limit on purpose, a third of it docstrings: the race rules
 between completion, the watchdog, a stop and an outside abandon are read in one file). What it only uses lives apart: the
 outcome (cgturn.outcome), the run markers (cgturn.runs), the watcher of outside abandons
 (cgturn.outside), the wake-up plumbing (cgturn.wakeups), the clocks (cgturn.clocks).
 """
-# size: ~540 lines, a third of them docstrings: the race rules between completion, the watchdog, a stop and an outside abandon share one lock and one outcome and are read in one file.
+# size: over the limit on purpose, a third of it docstrings: the race rules between completion, the watchdog, a stop and an outside abandon share one lock and one outcome and are read in one file.
 from __future__ import annotations
 
 import asyncio

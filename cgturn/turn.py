@@ -1,6 +1,6 @@
 """A Turn: one unit of work of a task, the handle its owner holds. Made by the TurnManager only.
 """
-# size: a little over 350 lines, all of them the handle's public methods and their documentation; the work is in TurnControl and the backend.
+# size: a little over the limit, all of them the handle's public methods and their documentation; the work is in TurnControl and the backend.
 from __future__ import annotations
 
 import dataclasses

@@ -10,7 +10,7 @@ the turns' isolation (cgroup2_isolation.py: sealing checks, network namespaces).
 is cgroup2_views.py; where the controllers are is cgroup2_limits.py's. What stays here: creating a
 turn, its records and state changes under the turn-directory lock, and what a spawn needs.
 """
-# size: a little over 350 lines: the cgroup2 backend's core methods, each a few lines over its composed parts (killer, limiter, placement, isolation, spawn paths); splitting further would scatter one interface.
+# size: a little over the limit: the cgroup2 backend's core methods, each a few lines over its composed parts (killer, limiter, placement, isolation, spawn paths); splitting further would scatter one interface.
 from __future__ import annotations
 
 import contextlib
