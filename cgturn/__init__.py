@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__
+from ._version import __version__ as __version__  # the one place it is written
 
 # public name -> module that defines it
 _EXPORTS = {
