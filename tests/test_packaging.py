@@ -69,14 +69,14 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def heading_anchors(path: str) -> set[str]:
-    """The anchors mkdocs (Python-Markdown's toc) gives a page's headings: lower case, punctuation
-    dropped, spaces to hyphens."""
+    """The anchors of a page's headings as GitHub makes them, and the site too (mkdocs.yml's slugify):
+    lower case, punctuation dropped, each space a hyphen."""
     anchors = set()
     with open(path) as f:
         for line in f:
             if line.startswith("#"):
                 title = line.lstrip("#").strip().lower()
-                anchors.add(re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", title)).strip("-"))
+                anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
     return anchors
 
 
