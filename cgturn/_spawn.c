@@ -631,7 +631,7 @@ struct held {
 static int parse_request(PyObject *a, struct request *rq, struct checked *chk, struct child *c,
                          struct held *h)
 {
-    PyObject *cgroup_obj;
+    PyObject *cgroup_obj, *expected;
     if (!PyArg_ParseTuple(a, "OOpOOOOiiiiiippiiOO:spawn", &rq->args, &rq->exec_list, &c->close_fds,
                           &rq->keep_seq, &rq->cwd_obj, &rq->env_obj, &rq->extra_obj, &c->p2cread,
                           &c->p2cwrite, &c->c2pread, &c->c2pwrite, &c->errread, &c->errwrite,
@@ -640,10 +640,15 @@ static int parse_request(PyObject *a, struct request *rq, struct checked *chk, s
         return 0;
     rq->cgroup_fd = -1;
     if (PyTuple_Check(cgroup_obj)) {
-        if (!PyArg_ParseTuple(cgroup_obj, "Oyy#:cgroup", &rq->path_arg, &chk->key, &chk->expected,
-                              &chk->expected_len)
+        /* No '#' format here or in Py_BuildValue below: the length's type depends on
+         * PY_SSIZE_T_CLEAN, which 3.13's headers no longer map to the _SizeT functions, so a build
+         * against them would call 3.12's int-length PyArg_ParseTuple (SystemError at run time). */
+        char *value;
+        if (!PyArg_ParseTuple(cgroup_obj, "OyO:cgroup", &rq->path_arg, &chk->key, &expected)
+            || PyBytes_AsStringAndSize(expected, &value, &chk->expected_len) != 0
             || !PyUnicode_FSConverter(rq->path_arg, &h->path_obj))
             return 0;
+        chk->expected = value;
         chk->path = PyBytes_AsString(h->path_obj);
         return 1;
     }
@@ -783,7 +788,10 @@ static PyObject *child_result(long pid, int errread_fd)
         got += n;
     }
     Py_END_ALLOW_THREADS
-    return got > 0 ? Py_BuildValue("(ly#)", pid, report_buf, (Py_ssize_t)got) : PyLong_FromLong(pid);
+    if (got == 0)
+        return PyLong_FromLong(pid);
+    PyObject *report = PyBytes_FromStringAndSize(report_buf, got);
+    return report ? Py_BuildValue("(lN)", pid, report) : NULL;  /* N: the tuple takes the reference */
 }
 
 /* Step 5, clean up: whatever the steps before got, whichever of them failed. */
