@@ -16,7 +16,7 @@
  * clone (plain, or checked under the directory's lock), read the child's report, release what the
  * call held.
  *
- * Why one file of ~820 lines: the child side (async-signal-safe, no Python) and the parent side (the
+ * Why one file of ~860 lines: the child side (async-signal-safe, no Python) and the parent side (the
  * checked spawn's lock, record comparison and clone; the pools of stacks and directory fds kept between
  * spawns) share one struct and one calling convention, and the extension is one module to build.
  *
