@@ -7,7 +7,8 @@ when `cgturn run` itself cannot start CMD: no sentinel could be started (CMD wou
 against our death; CGTURN_SENTINEL=0 runs it without one), a limit cannot be enforced here
 (`LimitsUnavailable`), isolation was refused (`IsolationUnavailable`: a namespace the kernel
 refuses, a missing util-linux helper), the turn could not be made or joined, or
-`--admit-timeout` ran out under pressure (`Overloaded`). Never 1: that is CMD's own. When another
+`--admit-timeout` ran out under pressure (`Overloaded`), or the exec failed for another reason than
+127/126 (e.g. ENOMEM or E2BIG inside a memory limit too small to start CMD). Never 1: that is CMD's own. When another
 process abandoned the turn (`cgturn stop`, `cgturn end`, the sentinel, the guard), one stderr line names
 its reason and the killer's pid, and the status is CMD's (128+N when it died of signal N), not 124.
 
@@ -17,6 +18,7 @@ When the kernel enforced a limit on the turn (an OOM kill, a refused fork) one s
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import select
 import signal
@@ -108,7 +110,20 @@ def _key(text: str) -> str:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _cannot_start(cmd: list[str], err: CgturnError) -> int:
+def _exec_failure(err: OSError, limits) -> str:
+    """Why the exec of CMD failed, in one line. Inside a memory limit too small for it, execve fails
+    with ENOMEM, or with E2BIG when the kernel cannot charge the pages that copy argv and the
+    environment (fs/exec.c, copy_strings): both then name the limit."""
+    text = err.strerror or str(err)
+    value = limits.memory_max if limits is not None else None
+    if err.errno in (errno.ENOMEM, errno.E2BIG) and isinstance(value, int):
+        return f"{text}: its memory limit ({common.format_size(value)}) is too small to start it"
+    if err.errno in (errno.ENOMEM, errno.E2BIG):
+        return f"{text} (a memory limit of its task or the managed root may be too small to start it)"
+    return text
+
+
+def _cannot_start(cmd: list[str], err: CgturnError | str) -> int:
     print(f"cgturn: cannot start {cmd[0]}: {err}", file=sys.stderr)
     return EXIT_CANNOT_START
 
@@ -149,6 +164,9 @@ def _supervise(turn, cmd: list[str], args, limits, sentinel_pid: int | None = No
         except CgturnError as err:  # the process could not be put into the turn or its limits
             sup.stop(reasons.ERROR, grace=0, interrupt=False)
             return _cannot_start(cmd, err)
+        except OSError as err:  # the exec itself failed, e.g. for want of memory inside the turn's limit
+            sup.stop(reasons.ERROR, grace=0, interrupt=False)
+            return _cannot_start(cmd, _exec_failure(err, limits))
         outcome = sup.run_blocking(_worker, sup, turn, proc, wake_r, received, reap_on_exit)
         for line in limit_messages(outcome.usage, limits):  # read before the turn completed or was removed
             print(f"cgturn: {line}", file=sys.stderr)
