@@ -321,3 +321,9 @@ def test_turn_manager_refuses_a_relative_state_dir(cgroup2_root, monkeypatch, tm
     with pytest.raises(ValueError, match="not an absolute path"):
         TurnManager(root=cgroup2_root)
     assert os.listdir(tmp_path) == []
+
+
+def test_the_limit_options_help_states_the_bounds():
+    from cgturn.cli.common import LIMIT_OPTIONS
+    helps = {option: text for option, _, _, text in LIMIT_OPTIONS}
+    assert str(MAX_PIDS) in helps["--pids"] and str(MIN_CPUS) in helps["--cpus"]

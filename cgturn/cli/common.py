@@ -116,11 +116,11 @@ def _limit_parser(name: str):
 
 # (option, Limits field, library parser, help): the limit options `run` and `limits` share.
 LIMIT_OPTIONS = (
-    ("--memory", "memory_max", "parse_size", "hard memory limit: bytes, K/M/G/T (powers of 1024) or max"),
+    ("--memory", "memory_max", "parse_size", "hard memory limit: bytes, K/M/G/T (powers of 1024; below 8 EiB) or max"),
     ("--memory-high", "memory_high", "parse_size", "memory throttling threshold (cgroup v2 only)"),
     ("--swap", "swap_max", "parse_size", "swap on top of memory (on cgroup v1 needs --memory)"),
-    ("--pids", "pids_max", "parse_pids", "processes and threads at once: N >= 1 or max"),
-    ("--cpus", "cpus", "parse_cpus", "CPU time as cores, e.g. 0.5 or 2, or max"),
+    ("--pids", "pids_max", "parse_pids", "processes and threads at once: N from 1 to 4194304, or max"),
+    ("--cpus", "cpus", "parse_cpus", "CPU time as cores from 0.01, e.g. 0.5 or 2, or max"),
     ("--cpu-weight", "cpu_weight", "parse_weight", "share under contention, 1-10000 (100 = default)"),
 )
 
