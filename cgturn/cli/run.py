@@ -76,6 +76,9 @@ def run(args) -> int:
     if not cmd:
         raise ValueError("run needs a command after --")
     limits = common.limits_from_args(args)  # contradictions exit 2 here, before a sentinel or a turn
+    too_small = _below_one_page(limits)
+    if too_small:
+        return _cannot_start(cmd, too_small)
     from ..identity import resolve_identity
     resolve_identity(args.user, args.group, args.extra_groups)  # an unknown user or group exits 2 here too
     from .. import attach_sentinel  # supervision pulls in asyncio: only `run` pays for it
@@ -108,6 +111,19 @@ def _key(text: str) -> str:
         return ids.validate_text(text, "key", ids.MAX_ID_BYTES)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _below_one_page(limits) -> str | None:
+    """Why CMD cannot start when `--memory` is below one page, else None. The kernel rounds a memory
+    limit down to whole pages (mm/page_counter.c), so such a turn holds no page at all and every exec
+    in it fails; on the clone3 path even the child's report of that failure needs a page of the turn,
+    so the spawn would look clean and CMD seem to exit 255. Refused before anything is made."""
+    value = limits.memory_max if limits is not None else None
+    page = os.sysconf("SC_PAGE_SIZE")
+    if isinstance(value, int) and value < page:
+        return (f"its memory limit ({common.format_size(value)}) is less than one page ({page} bytes), "
+                "the kernel's unit: nothing can start in it")
+    return None
 
 
 def _exec_failure(err: OSError, limits) -> str:
