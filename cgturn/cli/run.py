@@ -6,11 +6,12 @@ the turn completed (the turn is then abandoned, even if CMD exited first from th
 when `cgturn run` itself cannot start CMD: no sentinel could be started (CMD would not be guarded
 against our death; CGTURN_SENTINEL=0 runs it without one), a limit cannot be enforced here
 (`LimitsUnavailable`), isolation was refused (`IsolationUnavailable`: a namespace the kernel
-refuses, a missing util-linux helper), the turn could not be made or joined, or
-`--admit-timeout` ran out under pressure (`Overloaded`), or the exec failed for another reason than
-127/126 (e.g. ENOMEM or E2BIG inside a memory limit too small to start CMD). Never 1: that is CMD's own. When another
-process abandoned the turn (`cgturn stop`, `cgturn end`, the sentinel, the guard), one stderr line names
-its reason and the killer's pid, and the status is CMD's (128+N when it died of signal N), not 124.
+refuses, a missing util-linux helper), the turn could not be made or joined, `--admit-timeout` ran
+out under pressure (`Overloaded`), `--memory` is below one page, or the exec failed for another
+reason than 127/126 (e.g. ENOMEM or E2BIG inside a memory limit too small to start CMD). Never 1:
+that is CMD's own. When another process abandoned the turn (`cgturn stop`, `cgturn end`, the
+sentinel, the guard), one stderr line names its reason and the killer's pid, and the status is CMD's
+(128+N when it died of signal N), not 124.
 
 When the kernel enforced a limit on the turn (an OOM kill, a refused fork) one stderr line says so
 (`... hit its memory limit ...`, `... hit its pids limit ...`); the status stays CMD's.
