@@ -4,8 +4,10 @@
 limits the kernel enforced on it. The kernel layer maps these onto controller files (cgroup v2, or
 the v1 hierarchies of a hybrid host); this module knows nothing of files.
 
-Values: bytes (int), pids (int >= 1), cores (float > 0), weight (int 1-10000), or "max" (explicitly
-unlimited: removes a limit). None means "not set" at creation and "unchanged" in `set_limits`.
+Values: bytes (int, 0 to MAX_BYTES), pids (int, 1 to MAX_PIDS), cores (float, MIN_CPUS to MAX_CPUS),
+weight (int 1-10000), or "max" (explicitly unlimited: removes a limit). None means "not set" at
+creation and "unchanged" in `set_limits`. The bounds are what the kernel stores (below), so a value
+that passes here is never refused, cut or wrapped by a controller file.
 """
 from __future__ import annotations
 
@@ -14,18 +16,33 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 UNLIMITED = "max"
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)([kmgt]?)", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "t": 1024 ** 4}
 MAX_WEIGHT = 10000
+# memory.max / memory.limit_in_bytes (and swap) go through page_counter_memparse (mm/page_counter.c):
+# simple_strtoull wraps past 2**64 (2**64 reads back as 0 here), and anything from about 2**63 up is
+# clamped to PAGE_COUNTER_MAX pages, the "no limit" value. So a size is at most LONG_MAX bytes.
+MAX_BYTES = 2 ** 63 - 1
+# pids.max, v1 and v2 alike (kernel/cgroup/pids.c, pids_max_write): EINVAL from PID_MAX_LIMIT + 1 on
+# (4194304 on 64-bit; checked on Linux 6.18: 4194305 and 2**32 are refused in both hierarchies).
+MAX_PIDS = 4 * 1024 * 1024
+# cpus become a CFS quota per 100 ms period (kernel/controllers.py CPU_PERIOD_US). The kernel takes
+# quotas from 1 ms (min_cfs_quota_period) to max_cfs_runtime = 2**44 - 1 us (kernel/sched/core.c,
+# tg_set_cfs_bandwidth; EINVAL outside): 0.01 cores, and whole cores below the top.
+CPU_PERIOD_US = 100_000
+MIN_CPUS = 1000 / CPU_PERIOD_US
+MAX_CPUS = float((2 ** 44 - 1) // CPU_PERIOD_US)
 
 
 def parse_size(text: str) -> int | str:
     """`12`, `1.5G`, `512m`, `max` -> bytes (powers of 1024, rounded down) or "max".
 
-    Raises ValueError with the rule for anything else (`12Q`, `-1`, `1.5.3G`, empty).
+    Raises ValueError with the rule for anything else (`12Q`, `-1`, `1.5.3G`, empty) and for sizes
+    above MAX_BYTES (`99999999999T`: more than the kernel can store).
     """
     value = text.strip()
     if value.lower() == UNLIMITED:
@@ -33,21 +50,26 @@ def parse_size(text: str) -> int | str:
     match = _SIZE.fullmatch(value)
     if not match:
         raise ValueError(f"not a size: {text!r} (a number with an optional K, M, G or T, or 'max')")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    # Exact arithmetic: a float would turn `12345678901234567` into another number.
+    size = int(Fraction(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size > MAX_BYTES:
+        raise ValueError(f"size too large: {text!r} (at most {MAX_BYTES} bytes, just under 8 EiB, what the "
+                         f"kernel stores; use 'max' for no limit)")
+    return size
 
 
 def parse_pids(text: str) -> int | str:
-    """`50` or `max`; ValueError for anything below 1 or not a whole number."""
+    """`50` or `max`; ValueError for anything not a whole number from 1 to MAX_PIDS."""
     value = text.strip()
     if value.lower() == UNLIMITED:
         return UNLIMITED
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"not a process count: {text!r} (a whole number >= 1, or 'max')")
+    if not value.isascii() or not value.isdigit() or not 1 <= int(value) <= MAX_PIDS:
+        raise ValueError(f"not a process count: {text!r} (a whole number from 1 to {MAX_PIDS}, or 'max')")
     return int(value)
 
 
 def parse_cpus(text: str) -> float | str:
-    """`1.5` (cores) or `max`; ValueError for anything not > 0."""
+    """`1.5` (cores) or `max`; ValueError for anything outside MIN_CPUS..MAX_CPUS."""
     value = text.strip()
     if value.lower() == UNLIMITED:
         return UNLIMITED
@@ -55,15 +77,16 @@ def parse_cpus(text: str) -> float | str:
         cores = float(value)
     except ValueError:
         raise ValueError(f"not a number of cores: {text!r} (e.g. 0.5, 2, or 'max')") from None
-    if not (cores > 0 and math.isfinite(cores)):
-        raise ValueError(f"not a number of cores: {text!r} (must be > 0)")
+    problem = _cpus_problem(cores)
+    if problem:
+        raise ValueError(f"not a number of cores: {text!r} ({problem})")
     return cores
 
 
 def parse_weight(text: str) -> int:
     """A CPU weight, 1-10000 (100 is the kernel's default)."""
     value = text.strip()
-    if not value.isdigit() or not 1 <= int(value) <= MAX_WEIGHT:
+    if not value.isascii() or not value.isdigit() or not 1 <= int(value) <= MAX_WEIGHT:
         raise ValueError(f"not a cpu weight: {text!r} (a whole number from 1 to {MAX_WEIGHT})")
     return int(value)
 
@@ -96,12 +119,14 @@ class Limits:
 
     def __post_init__(self) -> None:
         for name in ("memory_max", "memory_high", "swap_max"):
-            _check(name, getattr(self, name), minimum=0)
-        _check("pids_max", self.pids_max, minimum=1)
+            _check(name, getattr(self, name), 0, MAX_BYTES)
+        _check("pids_max", self.pids_max, 1, MAX_PIDS)
         if self.cpus is not None and self.cpus != UNLIMITED:
-            if isinstance(self.cpus, bool) or not isinstance(self.cpus, (int, float)) \
-                    or not (self.cpus > 0 and math.isfinite(self.cpus)):
-                raise ValueError(f"cpus must be a number of cores > 0 or 'max', not {self.cpus!r}")
+            if isinstance(self.cpus, bool) or not isinstance(self.cpus, (int, float)):
+                raise ValueError(f"cpus must be a number of cores or 'max', not {self.cpus!r}")
+            problem = _cpus_problem(self.cpus)
+            if problem:
+                raise ValueError(f"cpus {problem}, not {self.cpus!r}")
         if self.cpu_weight is not None and (isinstance(self.cpu_weight, bool) or not isinstance(self.cpu_weight, int)
                                             or not 1 <= self.cpu_weight <= MAX_WEIGHT):
             raise ValueError(f"cpu_weight must be a whole number from 1 to {MAX_WEIGHT}, not {self.cpu_weight!r}")
@@ -152,11 +177,19 @@ def stored_limits(text: str | None) -> Limits:
         return NO_LIMITS
 
 
-def _check(name: str, value: object, minimum: int) -> None:
+def _check(name: str, value: object, minimum: int, maximum: int) -> None:
     if value is None or value == UNLIMITED:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be a whole number >= {minimum} or 'max', not {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be a whole number from {minimum} to {maximum} or 'max', not {value!r}")
+
+
+def _cpus_problem(cores: float) -> str | None:
+    """Why `cores` cannot be a CPU limit (the kernel's quota bounds, see MIN_CPUS), or None."""
+    if not math.isfinite(cores) or not MIN_CPUS <= cores <= MAX_CPUS:
+        return (f"must be from {MIN_CPUS} to {MAX_CPUS:.0f}: the kernel's CPU quota is at least "
+                f"1 ms per {CPU_PERIOD_US // 1000} ms period")
+    return None
 
 
 @dataclass(slots=True)

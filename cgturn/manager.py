@@ -47,7 +47,8 @@ class TurnManager:
     Constructing a manager creates nothing; the first turn creates the managed root.
 
     Raises:
-        ValueError: unknown backend name, an explicit root that is not a usable path, a bad lease.
+        ValueError: unknown backend name, an explicit root that is not a usable path, a state
+            directory that is not an absolute path, a bad lease.
         CgroupUnavailable: backend="cgroup2" (or an explicit root) and cgroup v2 cannot be used.
         GuardUnavailable: the guard could not arm its trigger (the reason is in the message).
     """
@@ -57,6 +58,8 @@ class TurnManager:
                  guard: ManagerAddOn | None = None, lease: float | None = None) -> None:
         self.lease = leases.default_lease(lease)
         self.state_dir = state_dir or os.environ.get("CGTURN_STATE_DIR") or default_state_dir()
+        if not os.path.isabs(self.state_dir):  # as a relative root is refused: it would follow the cwd
+            raise ValueError(f"state directory {os.fspath(self.state_dir)!r} is not an absolute path")
         if isinstance(backend, Backend):
             self.backend = backend
         else:

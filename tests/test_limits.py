@@ -520,7 +520,7 @@ V1_PLACES = {"memory": Place(V1, "/m/own/root"), "pids": Place(V1, "/p/root"), "
     (Limits(pids_max=50), [("pids", "pids.max", "50")]),
     (Limits(pids_max="max"), [("pids", "pids.max", "max")]),
     (Limits(cpus=1.5, cpu_weight=200), [("cpu", "cpu.max", "150000 100000"), ("cpu", "cpu.weight", "200")]),
-    (Limits(cpus=0.001), [("cpu", "cpu.max", "1000 100000")]),
+    (Limits(cpus=0.01), [("cpu", "cpu.max", "1000 100000")]),
     (Limits(cpus="max"), [("cpu", "cpu.max", "max 100000")]),
     (Limits(), []),
 ])

@@ -19,7 +19,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Iterable
 
-from ..errors import AccessDenied, NoSuchTurn, TurnExists
+from ..errors import AccessDenied, CgturnError, NoSuchTurn, TurnExists
 from ..kernel import procfs
 from ..kernel.cgroupfs import Cgroup
 from ..limits import NO_LIMITS, Limits, Usage
@@ -172,9 +172,19 @@ class Cgroup2Backend(Backend):
             except BaseException:
                 cg.remove_tree(timeout=1.0)  # nothing is left behind by a turn that could not be made
                 self.layout.remove_v1_dirs(record.task_key, record.turn_key)
+                if new_task:  # nor by its task, made for it (rmdir of a non-empty one fails: another turn's)
+                    self._remove_if_empty(task, record.task_key)
                 raise
             return
         raise TurnExists(f"could not create turn {record.turn_id!r}: its task directory keeps vanishing")
+
+    def _remove_if_empty(self, task: Cgroup, task_key: str) -> None:
+        """Remove a task directory and its v1 directories that hold no turn (a failed first turn's),
+        quietly: the caller is raising the error that made the turn fail."""
+        with contextlib.suppress(OSError, CgturnError):
+            if task.remove_if_empty():
+                for path in self.layout.v1_dirs(task_key).values():
+                    Cgroup(path).remove_if_empty()
 
     def _replace_finished(self, cg: Cgroup) -> bool:
         """Remove an existing turn cgroup that holds nothing and will hold nothing: a completed turn,

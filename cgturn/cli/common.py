@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .. import reasons
@@ -42,8 +43,16 @@ def add_global_options(parser: argparse.ArgumentParser, after_command: bool = Fa
     parser.add_argument("--root", default=default, help="managed root on the cgroup2 mount (env CGTURN_ROOT)")
     parser.add_argument("--backend", choices=["auto", "cgroup2", "registry"], default=default,
                         help="which backend to use (env CGTURN_BACKEND; default auto)")
-    parser.add_argument("--state-dir", default=default,
-                        help="registry, metadata fallback and audit log (env CGTURN_STATE_DIR)")
+    parser.add_argument("--state-dir", default=default, type=absolute_path,
+                        help="registry, metadata fallback and audit log: an absolute path (env CGTURN_STATE_DIR)")
+
+
+def absolute_path(text: str) -> str:
+    """An argparse `type` for --state-dir: a relative path is a usage error (exit 2), as a relative
+    --root is, instead of a directory made wherever the command happens to run."""
+    if not os.path.isabs(text):
+        raise argparse.ArgumentTypeError(f"state directory {text!r} is not an absolute path")
+    return text
 
 
 def add_json_option(parser: argparse.ArgumentParser) -> None:
@@ -107,11 +116,11 @@ def _limit_parser(name: str):
 
 # (option, Limits field, library parser, help): the limit options `run` and `limits` share.
 LIMIT_OPTIONS = (
-    ("--memory", "memory_max", "parse_size", "hard memory limit: bytes, K/M/G/T (powers of 1024) or max"),
+    ("--memory", "memory_max", "parse_size", "hard memory limit: bytes, K/M/G/T (powers of 1024; below 8 EiB) or max"),
     ("--memory-high", "memory_high", "parse_size", "memory throttling threshold (cgroup v2 only)"),
     ("--swap", "swap_max", "parse_size", "swap on top of memory (on cgroup v1 needs --memory)"),
-    ("--pids", "pids_max", "parse_pids", "processes and threads at once: N >= 1 or max"),
-    ("--cpus", "cpus", "parse_cpus", "CPU time as cores, e.g. 0.5 or 2, or max"),
+    ("--pids", "pids_max", "parse_pids", "processes and threads at once: N from 1 to 4194304, or max"),
+    ("--cpus", "cpus", "parse_cpus", "CPU time as cores from 0.01, e.g. 0.5 or 2, or max"),
     ("--cpu-weight", "cpu_weight", "parse_weight", "share under contention, 1-10000 (100 = default)"),
 )
 
@@ -135,6 +144,13 @@ def limits_from_args(args):
         return None
     from .. import Limits
     return Limits(**given)
+
+
+def shown_id(text: str) -> str:
+    """A task or turn id as a table cell: as it is when every character is printable, else quoted and
+    escaped as a Python literal (`'a\\x1b[2Jb'`), so no id can move the cursor, recolour the
+    terminal or split a row. `--json` keeps ids exact."""
+    return text if text.isprintable() else repr(text)
 
 
 def format_size(value) -> str:

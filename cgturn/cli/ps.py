@@ -35,16 +35,18 @@ PSI_SHOWN = 1.0
 
 
 def format_table(rows: list[dict]) -> str:
-    """The human-readable table of `rows` (what `ps` and `watch` print). MEM is used/limit when the
-    turn has a memory limit; an EVENTS column (OOM kills, refused forks, frozen, pressure stalls of
-    PSI_SHOWN % or more) appears when any turn has one."""
+    """The human-readable table of `rows` (what `ps` and `watch` print): ids with characters that are
+    not printable show escaped (`common.shown_id`). MEM is used/limit when the turn has a memory
+    limit; an EVENTS column (OOM kills, refused forks, frozen, pressure stalls of PSI_SHOWN % or more)
+    appears when any turn has one."""
     header: tuple[str, ...] = ("TASK", "TURN", "STATE", "PIDS", "AGE", "CPU", "MEM", "PORTS", "OWNER")
     events = [_events(row) for row in rows]
     if any(events):
         header += ("EVENTS",)
     lines: list[tuple[str, ...]] = [header]
     for row, note in zip(rows, events):
-        line = (row["task"], row["turn"], row["state"], _pids(row["pids"]), _age(row["age_seconds"]),
+        line = (common.shown_id(row["task"]), common.shown_id(row["turn"]), row["state"], _pids(row["pids"]),
+                _age(row["age_seconds"]),
                 f"{row['cpu_seconds']:.2f}s", _memory(row), _ports(row["ports"]), str(row["owner_pid"] or "-"))
         lines.append(line + (note or "-",) if len(header) > len(line) else line)
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]

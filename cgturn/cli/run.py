@@ -6,10 +6,12 @@ the turn completed (the turn is then abandoned, even if CMD exited first from th
 when `cgturn run` itself cannot start CMD: no sentinel could be started (CMD would not be guarded
 against our death; CGTURN_SENTINEL=0 runs it without one), a limit cannot be enforced here
 (`LimitsUnavailable`), isolation was refused (`IsolationUnavailable`: a namespace the kernel
-refuses, a missing util-linux helper), the turn could not be made or joined, or
-`--admit-timeout` ran out under pressure (`Overloaded`). Never 1: that is CMD's own. When another
-process abandoned the turn (`cgturn stop`, `cgturn end`, the sentinel, the guard), one stderr line names
-its reason and the killer's pid, and the status is CMD's (128+N when it died of signal N), not 124.
+refuses, a missing util-linux helper), the turn could not be made or joined, `--admit-timeout` ran
+out under pressure (`Overloaded`), `--memory` is below one page, or the exec failed for another
+reason than 127/126 (e.g. ENOMEM or E2BIG inside a memory limit too small to start CMD). Never 1:
+that is CMD's own. When another process abandoned the turn (`cgturn stop`, `cgturn end`, the
+sentinel, the guard), one stderr line names its reason and the killer's pid, and the status is CMD's
+(128+N when it died of signal N), not 124.
 
 When the kernel enforced a limit on the turn (an OOM kill, a refused fork) one stderr line says so
 (`... hit its memory limit ...`, `... hit its pids limit ...`); the status stays CMD's.
@@ -17,6 +19,7 @@ When the kernel enforced a limit on the turn (an OOM kill, a refused fork) one s
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import select
 import signal
@@ -74,6 +77,9 @@ def run(args) -> int:
     if not cmd:
         raise ValueError("run needs a command after --")
     limits = common.limits_from_args(args)  # contradictions exit 2 here, before a sentinel or a turn
+    too_small = _below_one_page(limits)
+    if too_small:
+        return _cannot_start(cmd, too_small)
     from ..identity import resolve_identity
     resolve_identity(args.user, args.group, args.extra_groups)  # an unknown user or group exits 2 here too
     from .. import Supervisor  # supervision pulls in asyncio: only `run` pays for it
@@ -108,7 +114,33 @@ def _key(text: str) -> str:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _cannot_start(cmd: list[str], err: CgturnError) -> int:
+def _below_one_page(limits) -> str | None:
+    """Why CMD cannot start when `--memory` is below one page, else None. The kernel rounds a memory
+    limit down to whole pages (mm/page_counter.c), so such a turn holds no page at all and every exec
+    in it fails; on the clone3 path even the child's report of that failure needs a page of the turn,
+    so the spawn would look clean and CMD seem to exit 255. Refused before anything is made."""
+    value = limits.memory_max if limits is not None else None
+    page = os.sysconf("SC_PAGE_SIZE")
+    if isinstance(value, int) and value < page:
+        return (f"its memory limit ({common.format_size(value)}) is less than one page ({page} bytes), "
+                "the kernel's unit: nothing can start in it")
+    return None
+
+
+def _exec_failure(err: OSError, limits) -> str:
+    """Why the exec of CMD failed, in one line. Inside a memory limit too small for it, execve fails
+    with ENOMEM, or with E2BIG when the kernel cannot charge the pages that copy argv and the
+    environment (fs/exec.c, copy_strings): both then name the limit."""
+    text = err.strerror or str(err)
+    value = limits.memory_max if limits is not None else None
+    if err.errno in (errno.ENOMEM, errno.E2BIG) and isinstance(value, int):
+        return f"{text}: its memory limit ({common.format_size(value)}) is too small to start it"
+    if err.errno in (errno.ENOMEM, errno.E2BIG):
+        return f"{text} (a memory limit of its task or the managed root may be too small to start it)"
+    return text
+
+
+def _cannot_start(cmd: list[str], err: CgturnError | str) -> int:
     print(f"cgturn: cannot start {cmd[0]}: {err}", file=sys.stderr)
     return EXIT_CANNOT_START
 
@@ -149,6 +181,9 @@ def _supervise(turn, cmd: list[str], args, limits, sentinel_pid: int | None = No
         except CgturnError as err:  # the process could not be put into the turn or its limits
             sup.stop(reasons.ERROR, grace=0, interrupt=False)
             return _cannot_start(cmd, err)
+        except OSError as err:  # the exec itself failed, e.g. for want of memory inside the turn's limit
+            sup.stop(reasons.ERROR, grace=0, interrupt=False)
+            return _cannot_start(cmd, _exec_failure(err, limits))
         outcome = sup.run_blocking(_worker, sup, turn, proc, wake_r, received, reap_on_exit)
         for line in limit_messages(outcome.usage, limits):  # read before the turn completed or was removed
             print(f"cgturn: {line}", file=sys.stderr)

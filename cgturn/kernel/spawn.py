@@ -39,6 +39,24 @@ class CgroupJoinError(OSError):
     """The child could not join a v1 cgroup (its cgroup.procs write failed); it exited 255 unexecuted."""
 
 
+# _posixsubprocess refuses fds outside 0..INT_MAX (a C int) with this ValueError; the extension
+# would cut a larger one to an int (2**32 + 1 became fd 1) and fail on a negative one with EBADF.
+_FD_MAX = 2 ** 31 - 1
+
+
+def fds_to_keep(pass_fds) -> tuple[int, ...]:
+    """`pass_fds` as the sorted fds a child keeps, checked as Popen checks them.
+
+    Raises:
+        ValueError: an fd below 0 or above INT_MAX ("bad value(s) in fds_to_keep", Popen's words),
+            or a value int() refuses.
+    """
+    keep = tuple(sorted(map(int, set(pass_fds)))) if pass_fds else ()
+    if keep and (keep[0] < 0 or keep[-1] > _FD_MAX):
+        raise ValueError("bad value(s) in fds_to_keep")
+    return keep
+
+
 def clone3_built() -> bool:
     """True when the C extension is importable."""
     return _spawn is not None
@@ -148,6 +166,7 @@ class CgroupPopen(subprocess.Popen):
 
     def __init__(self, args, *, cgroup, join_fds=(), extra_env: tuple[bytes, ...] = (), **kwargs):
         self._cgroup, self._join_fds, self._extra_env = cgroup, tuple(join_fds), extra_env
+        fds_to_keep(kwargs.get("pass_fds", ()))  # refused before Popen makes a pipe, as Popen refuses them
         super().__init__(args, **kwargs)
 
     def _get_handles(self, stdin, stdout, stderr):
@@ -172,7 +191,7 @@ class CgroupPopen(subprocess.Popen):
             executable_list = (program,)
         else:  # resolved in the child along PATH, as Popen does (os._execvpe's order)
             executable_list = tuple(os.path.join(os.fsencode(d), program) for d in os.get_exec_path(env))
-        keep = tuple(sorted(map(int, pass_fds))) if pass_fds else ()
+        keep = fds_to_keep(pass_fds)
         try:
             started = _spawn.spawn(
                 args, executable_list, close_fds, keep,

@@ -1,0 +1,321 @@
+"""Values that pass the edge and break inside (issue 22): every value cgturn takes is checked against
+what the kernel (or Popen) accepts before anything is created, and a value that still fails inside
+gives a documented outcome, never a traceback or a silent other number.
+
+Real kernel, real CLI subprocesses where the exit status and stderr are the promise. Every turn here
+is bounded (`true`, `echo`, one short sleep) and every allocation is the kernel's own exec.
+"""
+import errno
+import os
+import subprocess
+
+import pytest
+
+from cgturn import Limits, TurnManager, testing
+from cgturn import limits as limits_module
+from cgturn.cli import main
+from cgturn.errors import KernelError
+from cgturn.kernel import controllers
+from conftest import PY, cgturn_env, cli, v1_mirrors
+
+MAX_BYTES, MAX_PIDS = limits_module.MAX_BYTES, limits_module.MAX_PIDS
+MIN_CPUS, MAX_CPUS = limits_module.MIN_CPUS, limits_module.MAX_CPUS
+
+
+def hierarchies(root: str) -> list[str]:
+    """Every directory below the managed root `root` in cgroup v2 and in its v1 mirrors (memory, pids,
+    cpu), the roots themselves included: what "nothing created" compares."""
+    out = []
+    for base in (root, *v1_mirrors(root).values()):
+        for path, _, _ in os.walk(base):
+            out.append(path)
+    return sorted(out)
+
+
+def one_line(text: str) -> bool:
+    return text.count("\n") == 1 and text.startswith("cgturn: ") and "Traceback" not in text
+
+
+# --- the bounds are the kernel's -------------------------------------------------------------------
+
+@pytest.mark.parametrize("field, value", [
+    ("pids_max", 0), ("pids_max", MAX_PIDS + 1), ("pids_max", 2 ** 32), ("pids_max", 2 ** 62), ("pids_max", 2 ** 70),
+    ("memory_max", MAX_BYTES + 1), ("memory_max", 2 ** 64), ("memory_high", 2 ** 70), ("swap_max", MAX_BYTES + 1),
+    ("cpus", 1e-9), ("cpus", 0.009), ("cpus", MAX_CPUS + 1), ("cpus", 1e300),
+    ("cpu_weight", 0), ("cpu_weight", 10001),
+])
+def test_limits_refuses_what_the_kernel_would_refuse_cut_or_wrap(field, value):
+    with pytest.raises(ValueError, match=field):
+        Limits(**{field: value})
+
+
+def test_limits_takes_the_bounds_themselves():
+    Limits(memory_max=MAX_BYTES, memory_high=0, swap_max=MAX_BYTES, pids_max=MAX_PIDS, cpus=MIN_CPUS, cpu_weight=1)
+    Limits(pids_max=1, cpus=MAX_CPUS, cpu_weight=10000)
+
+
+def test_the_cpu_bounds_are_the_quota_cgturn_writes():
+    # controllers.py maps cores to a quota per CPU_PERIOD_US: MIN_CPUS is its 1 ms floor, MAX_CPUS
+    # stays under max_cfs_runtime (2**44 - 1 us).
+    assert limits_module.CPU_PERIOD_US == controllers.CPU_PERIOD_US
+    assert int(MIN_CPUS * controllers.CPU_PERIOD_US) == 1000
+    assert int(MAX_CPUS * controllers.CPU_PERIOD_US) <= 2 ** 44 - 1
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("12345678901234567", 12345678901234567),  # exact: a float made this 12345678901234568
+    ("8388607T", 8388607 * 1024 ** 4), ("1.5K", 1536), (str(MAX_BYTES), MAX_BYTES),
+])
+def test_sizes_are_exact(text, expected):
+    assert limits_module.parse_size(text) == expected
+
+
+def _limit_file(manager, turn, controller: str, v1_name: str, v2_name: str) -> str | None:
+    """The path of a turn's limit file for `controller`, in v1 or v2 as the layout places it; None
+    where the controller has no place here."""
+    v1 = testing.v1_dirs(manager, turn)
+    if controller in v1:
+        return os.path.join(v1[controller], v1_name)
+    path = os.path.join(manager.root, turn.record.task_key, turn.record.turn_key, v2_name)
+    return path if os.path.exists(path) else None
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+def test_the_kernel_takes_each_bound_and_refuses_one_past_it(cgroup2_manager):
+    turn = cgroup2_manager.begin_turn("bounds", limits=Limits(pids_max=MAX_PIDS, cpus=MIN_CPUS, memory_max=MAX_BYTES))
+    try:
+        pids = _limit_file(cgroup2_manager, turn, "pids", "pids.max", "pids.max")
+        if pids is None:
+            pytest.skip("no pids controller for the managed root here")
+        assert _read(pids) == str(MAX_PIDS)
+        with pytest.raises(OSError) as refused:
+            _write(pids, str(MAX_PIDS + 1))
+        assert refused.value.errno == errno.EINVAL
+        quota = _limit_file(cgroup2_manager, turn, "cpu", "cpu.cfs_quota_us", "cpu.max")
+        if quota is not None:
+            assert _read(quota).split()[0] == "1000"
+            with pytest.raises(OSError) as refused:
+                _write(quota, "999" if quota.endswith("_us") else "999 100000")
+            assert refused.value.errno == errno.EINVAL
+        memory = _limit_file(cgroup2_manager, turn, "memory", "memory.limit_in_bytes", "memory.max")
+        if memory is not None:
+            # Why sizes stop at MAX_BYTES: the kernel's parser wraps 2**64 to a limit of 0 bytes.
+            _write(memory, str(2 ** 64))
+            assert _read(memory) == "0"
+    finally:
+        turn.abandon("test", grace=0)
+
+
+# --- bad values at the edge: exit 2, one line, nothing created -------------------------------------
+
+@pytest.mark.parametrize("args", [
+    ["run", "--pids", "4294967296", "--", "true"],
+    ["run", "--pids", str(2 ** 70), "--", "true"],
+    ["run", "--pids", str(MAX_PIDS + 1), "--", "true"],
+    ["run", "--cpus", "1e-9", "--", "true"],
+    ["run", "--cpus", "0.005", "--", "true"],
+    ["run", "--cpus", "1e12", "--", "true"],
+    ["run", "--memory", "99999999999T", "--", "true"],
+    ["run", "--memory", "1G", "--swap", "8388608T", "--", "true"],
+    ["limits", "--memory-high", "16777216T"],
+    ["limits", "t", "--pids", "4611686018427387904"],
+])
+def test_out_of_range_values_exit_2_with_one_line_and_create_nothing(cgroup2_root, state_dir, args, capsys):
+    code = main(["--root", cgroup2_root, "--state-dir", state_dir, *args])
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    assert one_line(captured.err) and captured.out == ""
+    assert hierarchies(cgroup2_root) == [] and os.listdir(state_dir) == []
+
+
+def test_an_out_of_range_limit_on_a_turn_exits_2_and_changes_nothing(cgroup2_manager, cgroup2_root, state_dir, capsys):
+    turn = cgroup2_manager.begin_turn("t", "u", limits=Limits(pids_max=50))
+    try:
+        code = main(["--root", cgroup2_root, "--state-dir", state_dir, "limits", "t", "u", "--pids",
+                     "4611686018427387904"])
+        captured = capsys.readouterr()
+        assert code == 2 and one_line(captured.err), captured.err
+        assert turn.limits().pids_max == 50
+        pids = _limit_file(cgroup2_manager, turn, "pids", "pids.max", "pids.max")
+        if pids is not None:
+            assert _read(pids) == "50"
+    finally:
+        turn.abandon("test", grace=0)
+
+
+def _cpu_in_v1(manager) -> bool:
+    return "cpu" in testing.v1_dirs(manager)
+
+
+def test_a_limit_the_kernel_refuses_at_begin_turn_leaves_no_directory(cgroup2_manager, cgroup2_root):
+    # v1 refuses a child CFS quota above its parent's (kernel/sched/core.c, tg_cfs_schedulable_down):
+    # the one limit write this host's kernel refuses after every value check passed.
+    cgroup2_manager.set_limits(Limits(cpus=1))
+    if not _cpu_in_v1(cgroup2_manager):
+        pytest.skip("needs the cpu controller in a v1 hierarchy (a hybrid host)")
+    before = hierarchies(cgroup2_root)
+    for _ in range(2):  # the second time the task is new again: the first left nothing behind
+        with pytest.raises(KernelError, match="cfs_quota_us"):
+            cgroup2_manager.begin_turn("refused", limits=Limits(cpus=2))
+        assert hierarchies(cgroup2_root) == before
+    # a task that exists keeps its directory (another turn of it is there)
+    kept = cgroup2_manager.begin_turn("refused", "kept")
+    try:
+        with_kept = hierarchies(cgroup2_root)
+        with pytest.raises(KernelError):
+            cgroup2_manager.begin_turn("refused", limits=Limits(cpus=2))
+        assert hierarchies(cgroup2_root) == with_kept
+    finally:
+        kept.abandon("test", grace=0)
+
+
+def test_run_with_a_refused_limit_exits_125_and_leaves_no_directory(cgroup2_manager, cgroup2_root, state_dir):
+    cgroup2_manager.set_limits(Limits(cpus=1))
+    if not _cpu_in_v1(cgroup2_manager):
+        pytest.skip("needs the cpu controller in a v1 hierarchy (a hybrid host)")
+    before = hierarchies(cgroup2_root)
+    out = cli(cgroup2_root, state_dir, "run", "--task", "refused", "--cpus", "2", "--", "echo", "ran")
+    assert out.returncode == 125 and one_line(out.stderr) and out.stdout == "", out.stderr
+    assert hierarchies(cgroup2_root) == before
+
+
+# --- a memory limit too small to start the command -------------------------------------------------
+
+@pytest.mark.parametrize("size", ["0", "1", "2", "4095", "4096", "4K", "8K", "16K"])
+def test_a_memory_limit_too_small_to_start_cmd_exits_125_naming_it(cgroup2_root, state_dir, size):
+    # Below one page (0-4095 here) `run` refuses before anything is made: the kernel rounds the limit to
+    # 0 pages and the clone3 child could not even report its failed exec (it "exited 255").
+    out = cli(cgroup2_root, state_dir, "run", "--memory", size, "--", "echo", "ran")
+    assert out.stdout == ""
+    if out.returncode == 137:  # the shim (or the exec chain) was OOM-killed before CMD: the limit line
+        assert "memory limit" in out.stderr and "Traceback" not in out.stderr
+    else:
+        assert out.returncode == 125 and one_line(out.stderr), (out.returncode, out.stderr)
+        assert "memory limit" in out.stderr and "cannot start echo" in out.stderr
+    if limits_module.parse_size(size) < os.sysconf("SC_PAGE_SIZE"):
+        assert "less than one page" in out.stderr and hierarchies(cgroup2_root) == []
+
+
+@pytest.mark.parametrize("size", ["1M", "256M"])
+def test_a_memory_limit_that_fits_runs_cmd(cgroup2_root, state_dir, size):
+    out = cli(cgroup2_root, state_dir, "run", "--memory", size, "--", "echo", "ran")
+    assert (out.returncode, out.stdout, out.stderr) == (0, "ran\n", "")
+
+
+@pytest.mark.parametrize("path", testing.SPAWN_PATHS)
+def test_each_spawn_path_gives_a_documented_outcome_in_a_tiny_memory_limit(cgroup2_manager, path):
+    why = testing.spawn_path_unavailable(path)
+    if why:
+        pytest.skip(why)
+    turn = cgroup2_manager.begin_turn("tiny", limits=Limits(memory_max=16 * 1024))
+    try:
+        with testing.forced_spawn_path(path):
+            try:
+                proc = turn.spawn(["echo", "ran"], stdout=subprocess.PIPE)
+            except OSError as err:  # the exec failed inside the limit and said so
+                assert err.errno in (errno.ENOMEM, errno.E2BIG)
+            else:  # the shim (or the exec chain) was OOM-killed before the target: the kernel counts it
+                out, _ = proc.communicate(timeout=30)
+                assert (proc.returncode, out) == (-9, b"")
+                assert turn.usage().oom_kills >= 1
+    finally:
+        turn.abandon("test", grace=0)
+
+
+# --- pass_fds as Popen checks it, on every spawn path ----------------------------------------------
+
+@pytest.mark.parametrize("fds", [(2 ** 32 + 1,), (-1,), (2 ** 31,), (2 ** 70,), (3, -5)])
+@pytest.mark.parametrize("path", testing.SPAWN_PATHS)
+def test_out_of_range_pass_fds_raise_value_error_as_popen_does(cgroup2_manager, path, fds):
+    why = testing.spawn_path_unavailable(path)
+    if why:
+        pytest.skip(why)
+    with pytest.raises(ValueError, match="bad value") as reference:
+        subprocess.Popen(["true"], pass_fds=fds)
+    turn = cgroup2_manager.begin_turn("fds")
+    try:
+        with testing.forced_spawn_path(path), pytest.raises(ValueError) as ours:
+            turn.spawn(["true"], pass_fds=fds)
+        assert str(ours.value) == str(reference.value)
+        assert turn.pids() == []
+    finally:
+        turn.abandon("test", grace=0)
+
+
+# --- ids in the tables ------------------------------------------------------------------------------
+
+HOSTILE_TASK = "evil\x1b[2J\x1b]0;owned\x07"
+HOSTILE_TURN = "split\nrow\u202e"
+
+
+def test_ps_and_watch_escape_ids_and_json_keeps_them_exact(cgroup2_manager, cgroup2_root, state_dir):
+    turn = cgroup2_manager.begin_turn(HOSTILE_TASK, HOSTILE_TURN)
+    try:
+        for args in (("ps",), ("watch", "--once")):
+            out = cli(cgroup2_root, state_dir, *args)
+            assert out.returncode == 0, out.stderr
+            assert "\x1b" not in out.stdout and "\x07" not in out.stdout and "\u202e" not in out.stdout
+            row = [line for line in out.stdout.splitlines() if "evil" in line]
+            assert len(row) == 1 and repr(HOSTILE_TASK) in row[0] and repr(HOSTILE_TURN) in row[0]
+            assert len(out.stdout.splitlines()) == (2 if args == ("ps",) else 3)
+        import json
+        rows = json.loads(cli(cgroup2_root, state_dir, "ps", "--json").stdout)
+        assert [(r["task"], r["turn"]) for r in rows] == [(HOSTILE_TASK, HOSTILE_TURN)]
+    finally:
+        turn.abandon("test", grace=0)
+
+
+def test_printable_ids_show_as_they_are(cgroup2_manager, cgroup2_root, state_dir):
+    turn = cgroup2_manager.begin_turn("telegram:123 ü", "turn-1")
+    try:
+        out = cli(cgroup2_root, state_dir, "ps")
+        assert "telegram:123 ü" in out.stdout and "'" not in out.stdout
+    finally:
+        turn.abandon("test", grace=0)
+
+
+# --- the state directory is an absolute path, as the root is ---------------------------------------
+
+@pytest.mark.parametrize("where", ["before", "after", "env"])
+@pytest.mark.parametrize("command", [["run", "--", "true"], ["ps"]])
+def test_a_relative_state_dir_exits_2_and_creates_nothing(cgroup2_root, tmp_path, where, command):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    env = cgturn_env()
+    argv = [PY, "-m", "cgturn", "--root", cgroup2_root]
+    if where == "before":
+        argv += ["--state-dir", "rel", *command]
+    elif where == "after":
+        argv += [command[0], "--state-dir", "rel", *command[1:]]
+    else:
+        argv += command
+        env["CGTURN_STATE_DIR"] = "rel"
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, cwd=cwd)
+    assert out.returncode == 2 and one_line(out.stderr), out.stderr
+    assert "not an absolute path" in out.stderr
+    assert os.listdir(cwd) == [] and hierarchies(cgroup2_root) == []
+
+
+def test_turn_manager_refuses_a_relative_state_dir(cgroup2_root, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="not an absolute path"):
+        TurnManager(root=cgroup2_root, state_dir="rel")
+    monkeypatch.setenv("CGTURN_STATE_DIR", "rel/state")
+    with pytest.raises(ValueError, match="not an absolute path"):
+        TurnManager(root=cgroup2_root)
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_limit_options_help_states_the_bounds():
+    from cgturn.cli.common import LIMIT_OPTIONS
+    helps = {option: text for option, _, _, text in LIMIT_OPTIONS}
+    assert str(MAX_PIDS) in helps["--pids"] and str(MIN_CPUS) in helps["--cpus"]
