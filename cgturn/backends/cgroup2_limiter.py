@@ -108,9 +108,7 @@ class CgroupLimiter:
             layout.enable_v2(task)
         if layout.uses_v1(merged):
             layout.make_v1_dirs(task_key)
-            for rec in self._records(task_key):
-                if not rec.v1_dirs and rec.state != CORRUPT:
-                    self._give_v1_dirs(rec)
+            self._give_all_v1_dirs(task_key)
         layout.apply(merged, task.path, task_key)
         layout.store_limits(task, merged)
 
@@ -123,9 +121,7 @@ class CgroupLimiter:
         layout.check(merged)
         if layout.uses_v1(merged):
             layout.make_v1_dirs()
-            for rec in self._records(None):
-                if not rec.v1_dirs and rec.state != CORRUPT:
-                    self._give_v1_dirs(rec)
+            self._give_all_v1_dirs(None)
         layout.apply(merged, self._root.path)
         layout.store_limits(self._root, merged)
 
@@ -174,25 +170,67 @@ class CgroupLimiter:
         """{resource: {some_avg10, full_avg10} or None} for cpu, memory, io (the turn's PSI files)."""
         return cgroup2_views.pressure(self._cg(record).path)
 
+    def _give_all_v1_dirs(self, task_key: str | None) -> None:
+        """Give v1 directories to every turn of the task (all turns with None) that has none."""
+        for rec in self._records(task_key):
+            if not rec.v1_dirs and rec.state != CORRUPT:
+                try:
+                    self._give_v1_dirs(rec)
+                except NoSuchTurn:
+                    continue  # removed meanwhile: nothing of it to limit
+
     def _give_v1_dirs(self, record: TurnRecord) -> TurnRecord:
         """Make a running turn's v1 directories and move its processes in, frozen meanwhile so that
-        none forks past the move (cgroup.freeze, 5.2+)."""
+        none forks past the move (cgroup.freeze, 5.2+).
+
+        The order closes the window a spawn could slip through: the record says `v1_dirs` (under the
+        turn's lock) before the processes are listed. A spawn that read the record earlier holds the
+        turn's shared lock until its child is in the turn's cgroup, so that child is listed and moved
+        here; one that reads it later joins the v1 directories itself (spawn_paths, shim).
+
+        Raises:
+            NoSuchTurn: the turn is gone.
+        """
         cg = self._cg(record)
         self._layout().make_v1_dirs(record.task_key, record.turn_key)
+        record = self._mark_v1_dirs(record)
         was_frozen = cg.events().get("frozen", 0) == 1  # paused by a user or the guard: stays so
         cg.set_frozen(True)
         try:
-            cg.wait_events(lambda ev: ev.get("frozen", 1) == 1, FREEZE_TIMEOUT)
-            for pid in cg.procs_recursive():
-                try:
-                    self._layout().join_v1(pid, record.task_key, record.turn_key)
-                except (FileNotFoundError, KernelError):
-                    continue  # exited meanwhile
+            frozen = cg.wait_events(lambda ev: ev.get("frozen", 1) == 1, FREEZE_TIMEOUT)
+            self._join_all(record, cg, settled=frozen)
         finally:
             if not was_frozen:
                 cg.set_frozen(False)
-        _, rec = self._transition(record.task_key, record.turn_key, {record.state}, record.state, {"v1_dirs": True})
-        return rec or record
+        return record
+
+    def _mark_v1_dirs(self, record: TurnRecord) -> TurnRecord:
+        """Set `v1_dirs` in the turn's record, whatever state it moved to meanwhile."""
+        for _ in range(5):
+            won, rec = self._transition(record.task_key, record.turn_key, {record.state}, record.state,
+                                        {"v1_dirs": True})
+            if rec is None:
+                raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} no longer exists")
+            if won or rec.v1_dirs:
+                return rec
+            record = rec  # its state changed under us: mark it in the state it has now
+        raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} keeps changing state")
+
+    def _join_all(self, record: TurnRecord, cg: Cgroup, settled: bool) -> None:
+        """Move every process of the turn's cgroup tree into its v1 directories. Frozen (`settled`),
+        one pass sees them all; otherwise passes repeat until one finds no process it had not moved
+        (children forked by a moved process are born in its v1 cgroups)."""
+        moved: set[int] = set()
+        while True:
+            new = [pid for pid in cg.procs_recursive() if pid not in moved]
+            for pid in new:
+                try:
+                    self._layout().join_v1(pid, record.task_key, record.turn_key)
+                except (FileNotFoundError, KernelError):
+                    pass  # exited meanwhile
+                moved.add(pid)
+            if settled or not new:
+                return
 
     def sweep_v1_dirs(self) -> list[str]:
         """Remove v1 directories whose turn or task is gone from cgroup2 (an owner that crashed
