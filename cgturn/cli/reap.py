@@ -1,7 +1,8 @@
 """`cgturn reap [--json]`: crash recovery, safe beside a live gateway and from ExecStartPre=/a timer.
 
 Abandons running turns whose owner (pid + start time) is gone, finishes kills whose killer died,
-kills turns without a trustworthy record, removes completed turns with nothing left. Turns whose
+kills turns without a trustworthy record, removes completed turns with nothing left, thaws turns the
+pressure guard froze when no guard is alive to thaw them (`thawed`). Turns whose
 owner lives, or cannot be looked at (`owner-unknown`), are never touched.
 Exit 0; 1 when a turn could not be handled (listed as an `error` action).
 """
@@ -35,6 +36,8 @@ def run(args) -> int:
 def _describe(act: dict) -> str:
     if act["action"] == "removed-v1-dirs":
         return f"removed-v1-dirs: {act['path']} (its turn was gone)"
+    if act["action"] == "thawed":
+        return f"thawed turn {act['turn']!r} of task {act['task']!r}: frozen by a pressure guard that is gone"
     if act["action"] == "killed-stray":
         return f"killed-stray: process {act['killed'][0]} had left its turn (task {act['task']!r})"
     where = f"turn {act['turn']!r} of task {act['task']!r}"
