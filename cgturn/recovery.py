@@ -152,6 +152,24 @@ def _recover_one(control: TurnControl, rec: TurnRecord) -> RecoveryAction | None
         if not result.skipped:
             return RecoveryAction(KILLED_EXPIRED, rec.task_id, rec.turn_id, reasons.LEASE_EXPIRED, result.killed)
         return None
-    if rec.state == COMPLETED and control.backend.wait_empty(rec, 0) and control.backend.remove(rec):
+    if remove_emptied(control, rec, remove_task=False):
         return RecoveryAction(REMOVED, rec.task_id, rec.turn_id)
     return None
+
+
+def remove_emptied(control: TurnControl, rec: TurnRecord, remove_task: bool = True) -> bool:
+    """Remove a completed turn with nothing left in it, as completion removes one that is empty at
+    once (its limit counters are audited first; they go with its cgroup). The rmdir is the atomic
+    check: a turn that still holds a process stays. True when it was removed.
+
+    Args:
+        remove_task: remove its task directory too when that was its last turn.
+    """
+    if rec.state != COMPLETED or not control.backend.wait_empty(rec, 0):
+        return False
+    control.check_limits(rec.task_key, rec.turn_key)
+    if not control.backend.remove(rec):
+        return False
+    if remove_task:
+        control.backend.remove_task(rec.task_key)
+    return True

@@ -17,8 +17,9 @@ import uuid
 import pytest
 
 from cgturn import Limits, NoSuchTurn, TurnManager, testing
+from cgturn.sentinel import attach as attach_sentinel
 from cgturn.kernel.cgroupfs import Cgroup
-from conftest import (PY, audit_records, cgturn_argv, cgturn_env, cli, destroy_cgroup_tree, force_spawn_path,
+from conftest import (PY, alive, audit_records, cgturn_argv, cgturn_env, cli, destroy_cgroup_tree, force_spawn_path,
                       need_cgroup2, turn_dir, v1_mirrors, wait_until)
 
 MiB = 2 ** 20
@@ -257,3 +258,85 @@ def test_reap_leaves_a_live_guards_frozen_turn_alone(cgroup2_root, state_dir, ga
         _stopped(guard)
         hog.abandon("test over", grace=0)
         plain.close()
+
+
+# --- 3. promises a user reads ------------------------------------------------------------------------
+
+DAEMON = "sleep 300 </dev/null >/dev/null 2>&1 & echo $!"
+
+
+def _rows(root, state_dir) -> list[dict]:
+    out = cli(root, state_dir, "ps", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _sentinels_of(state_dir: str) -> list[int]:
+    """Pids of the sentinel processes serving this test's state directory (started by this test)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"cgturn.sentinel_main" in argv and state_dir.encode() in argv:
+            found.append(int(name))
+    return found
+
+
+def test_run_keep_for_is_enforced_after_run_exits(cgroup2_root, state_dir):
+    """`run --keep-for 2`: what CMD left running is killed when the lease runs out, though `run` (and
+    its owner process) is long gone; by the sentinel, reason lease-expired, and the turn goes."""
+    out = cli(cgroup2_root, state_dir, "run", "--task", "lease", "--turn", "t", "--keep-for", "2", "--",
+              "sh", "-c", DAEMON)
+    assert out.returncode == 0, out.stderr
+    daemon = int(out.stdout)
+    [row] = _rows(cgroup2_root, state_dir)
+    assert row["state"] == "completed" and row["pids"] == [daemon]
+    try:
+        assert wait_until(lambda: not alive(daemon), timeout=DEADLINE)
+        assert wait_until(lambda: _rows(cgroup2_root, state_dir) == [], timeout=DEADLINE)
+        [kill] = [r for r in audit_records(state_dir, "t") if r.get("action", "kill") == "kill"]
+        assert kill["reason"] == "lease-expired" and kill["pids"] == [daemon]
+        assert wait_until(lambda: _sentinels_of(state_dir) == [], timeout=DEADLINE)  # and then it goes
+    finally:
+        if alive(daemon):
+            cli(cgroup2_root, state_dir, "end", "lease")
+
+
+def test_a_leased_turn_whose_survivors_exit_is_removed_and_the_sentinel_goes(cgroup2_root, state_dir):
+    """A lease holds the sentinel only while there is something to kill: survivors that exit on their
+    own leave no `completed` turn behind and no sentinel waiting for the lease's end."""
+    out = cli(cgroup2_root, state_dir, "run", "--task", "lease", "--turn", "t", "--keep-for", "3600", "--",
+              "sh", "-c", DAEMON)
+    assert out.returncode == 0, out.stderr
+    daemon = int(out.stdout)
+    try:
+        assert _sentinels_of(state_dir) != []  # staying for the lease
+        os.kill(daemon, signal.SIGKILL)  # the survivor exits (this test started it, through `run`)
+        assert wait_until(lambda: _rows(cgroup2_root, state_dir) == [], timeout=DEADLINE)
+        assert wait_until(lambda: _sentinels_of(state_dir) == [], timeout=DEADLINE)
+    finally:
+        if alive(daemon):
+            cli(cgroup2_root, state_dir, "end", "lease")
+
+
+def test_a_completed_turn_whose_survivors_exit_is_removed_by_its_owners_sentinel(cgroup2_root, state_dir):
+    """A completed turn (no lease) whose survivors all exit does not linger as `completed` with no
+    pids while its owner runs: the owner's sentinel removes it, as completion removes an empty turn."""
+    mgr = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir)
+    try:
+        attach_sentinel(mgr)
+        turn = mgr.begin_turn("plain", "t")
+        survivor = turn.spawn(LIVE)
+        turn.complete()
+        assert [(i.turn, i.state) for i in mgr.turns("plain")] == [("t", "completed")]
+        survivor.kill()
+        survivor.wait(30)
+        assert wait_until(lambda: mgr.turns("plain") == [], timeout=DEADLINE)
+        assert [r for r in audit_records(state_dir, "t") if r.get("action", "kill") == "kill"] == []  # nothing killed
+    finally:
+        mgr.close()
