@@ -340,3 +340,23 @@ def test_a_completed_turn_whose_survivors_exit_is_removed_by_its_owners_sentinel
         assert [r for r in audit_records(state_dir, "t") if r.get("action", "kill") == "kill"] == []  # nothing killed
     finally:
         mgr.close()
+
+
+def test_limits_shows_what_holds_on_this_layout(cgroup2_root, state_dir):
+    """`cgturn limits`: a weight has no max (its unset value is the kernel's default, 100), and a
+    limit this layout cannot set reads `unsupported here` with the reason the setter would give."""
+    out = cli(cgroup2_root, state_dir, "limits")
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in out.stdout.splitlines()[1:8]}
+    assert rows["cpu_weight"] == "default (100)"
+    assert "max" not in rows["cpu_weight"] and "max" not in rows["oom_group"]
+    data = json.loads(cli(cgroup2_root, state_dir, "limits", "--json").stdout)
+    with open(os.path.join(os.path.dirname(cgroup2_root), "cgroup.controllers")) as f:
+        memory_in_v2 = "memory" in f.read().split()
+    if not memory_in_v2 and "memory" in v1_mirrors(cgroup2_root):  # a hybrid host: no memory.high anywhere
+        assert rows["memory_high"].startswith("unsupported here (") and "v1" in rows["memory_high"]
+        assert set(data["unsupported"]) == {"memory_high", "oom_group"}
+        refused = cli(cgroup2_root, state_dir, "limits", "--memory-high", "100M")
+        assert refused.returncode == 1 and data["unsupported"]["memory_high"] in refused.stderr
+    else:
+        assert rows["memory_high"] == "max" and "memory_high" not in data["unsupported"]
