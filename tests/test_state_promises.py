@@ -360,3 +360,42 @@ def test_limits_shows_what_holds_on_this_layout(cgroup2_root, state_dir):
         assert refused.returncode == 1 and data["unsupported"]["memory_high"] in refused.stderr
     else:
         assert rows["memory_high"] == "max" and "memory_high" not in data["unsupported"]
+
+
+def test_reap_remove_root_removes_an_emptied_managed_root(cgroup2_root, state_dir):
+    """`cgturn reap --remove-root`: a managed root with nothing left in it (a completed turn whose
+    survivor exited, a task budget, a root budget, v1 directories on a hybrid host) goes, all of it."""
+    mgr = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, sentinel=False)
+    try:
+        turn = mgr.begin_turn("done", "t")
+        survivor = turn.spawn(LIVE)
+        turn.complete()
+        survivor.kill()
+        survivor.wait(30)
+        if "memory" in mgr.limits_report()["available"]:
+            mgr.set_task_limits("budget", Limits(memory_max=512 * MiB))
+            mgr.set_limits(Limits(memory_max=1024 * MiB))
+    finally:
+        mgr.close()
+    assert os.path.isdir(cgroup2_root)
+    out = cli(cgroup2_root, state_dir, "reap", "--remove-root", "--json")
+    assert out.returncode == 0, out.stderr
+    assert {"action": "removed-root", "task": "", "turn": "", "path": cgroup2_root} in json.loads(out.stdout)
+    assert not os.path.exists(cgroup2_root)
+    assert not any(os.path.exists(d) for d in v1_mirrors(cgroup2_root).values())
+
+
+def test_reap_remove_root_leaves_a_root_that_holds_a_turn(cgroup2_root, state_dir):
+    """A root with a live owner's running turn is not removed: exit 1 naming what is left; the turn and
+    its process are untouched."""
+    mgr = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, sentinel=False)
+    try:
+        turn = mgr.begin_turn("busy", "t")
+        proc = turn.spawn(LIVE)
+        out = cli(cgroup2_root, state_dir, "reap", "--remove-root")
+        assert out.returncode == 1 and "managed root not removed: it still holds 1 turn(s)" in out.stdout, out
+        assert os.path.isdir(cgroup2_root) and proc.poll() is None and turn.state == "running"
+        turn.abandon("test over", grace=0)
+        proc.wait(30)
+    finally:
+        mgr.close()
