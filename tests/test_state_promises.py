@@ -399,3 +399,47 @@ def test_reap_remove_root_leaves_a_root_that_holds_a_turn(cgroup2_root, state_di
         proc.wait(30)
     finally:
         mgr.close()
+
+
+def _netns_fds() -> set[str]:
+    """The network namespaces this process holds an fd of ('net:[inode]')."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("net:["):
+            out.add(target)
+    return out
+
+
+def test_an_owner_lets_go_of_the_netns_of_a_turn_another_process_ended(cgroup2_manager, cgroup2_root, state_dir):
+    """network="none": when `cgturn stop` (another process) ends the turn, its owner's Supervisor
+    notices, and the owner closes its fd of the turn's network namespace then, not at its next
+    begin_turn."""
+    from cgturn import Supervisor
+
+    before = _netns_fds()
+    turn = cgroup2_manager.begin_turn("net", "t", network="none")
+    [netns] = _netns_fds() - before  # held by the owner while the turn runs
+    proc = turn.spawn(["sh", "-c", "readlink /proc/self/ns/net; exec sleep 120"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == netns  # the turn's processes live in it
+    stopped = threading.Event()
+    sup = Supervisor(turn, timeout=300, grace=0, use_sentinel=False, on_interrupt=lambda why: stopped.set())
+
+    def worker():
+        assert stopped.wait(DEADLINE)
+
+    def stop_from_outside():
+        out = cli(cgroup2_root, state_dir, "stop", "net", "t", "--grace", "0")
+        assert out.returncode == 0, out.stderr
+
+    stopper = threading.Timer(0.0, stop_from_outside)
+    stopper.start()
+    outcome = sup.run_blocking(worker)
+    stopper.join(60)
+    assert outcome.external and not outcome.completed
+    proc.wait(30)
+    proc.stdout.close()
+    assert netns not in _netns_fds()
