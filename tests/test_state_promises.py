@@ -126,6 +126,46 @@ def test_task_limits_while_spawning_leave_no_process_outside_the_turns_v1_dirs(h
                 p.wait(30)
 
 
+def _begin_while(mgr, task: str, prefix: str, started: threading.Event, stop: threading.Event, out: list,
+                 limit: int) -> None:
+    """Begin turns of `task` and spawn one process in each until `stop` (or `limit` turns)."""
+    n = 0
+    while not stop.is_set() and n < limit:
+        turn = mgr.begin_turn(task, f"{prefix}-{n}")
+        out.append((turn, turn.spawn(LIVE)))
+        n += 1
+        started.set()
+
+
+def test_task_limits_cover_turns_begun_while_they_are_set(hybrid):
+    """Turns begun (and spawned into) while set_task_limits runs are limited too: each process ends up
+    in its own turn's v1 directories, none in the gateway's memory cgroup."""
+    task = "grow"
+    started, stop = threading.Event(), threading.Event()
+    made: list[list] = [[], []]
+    workers = [threading.Thread(target=_begin_while, args=(hybrid, task, f"w{i}", started, stop, made[i], 60))
+               for i in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        assert started.wait(30), "no turn began"
+        hybrid.set_task_limits(task, Limits(memory_max=512 * MiB))
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(60)
+    memory = v1_mirrors(hybrid.backend.root.path)["memory"]
+    pairs = [pair for turns in made for pair in turns]
+    try:
+        escaped = [(turn.turn_id, proc.pid) for turn, proc in pairs
+                   if _v1_memory_of(proc.pid) not in (None, os.path.join(memory, *turn.names))]
+        assert escaped == [], f"of {len(pairs)} turns, these kept a process outside their v1 directories"
+    finally:
+        for turn, proc in pairs:
+            turn.abandon("test over", grace=0)
+            proc.wait(30)
+
+
 # --- 2. a crashed guard leaves no turn frozen --------------------------------------------------------
 
 BUSY = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"

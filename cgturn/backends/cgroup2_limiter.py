@@ -8,9 +8,11 @@ lifting a dying turn's CPU quota. The registry backend has no limiter (`limiter`
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import time
 from typing import Any, Callable, Iterable
 
 from ..errors import KernelError, LimitsUnavailable, NoSuchTurn
@@ -23,6 +25,9 @@ from .cgroup2_limits import Layout
 
 log = logging.getLogger("cgturn")
 FREEZE_TIMEOUT = 1.0
+# How long a new budget waits for the record of a turn directory made just before it was stored.
+RECORD_WAIT = 1.0
+RECORD_POLL = 0.002
 
 Transition = Callable[[str, str, Iterable[str], str, dict[str, Any]], tuple[bool, "TurnRecord | None"]]
 
@@ -106,11 +111,11 @@ class CgroupLimiter:
         layout.check(merged)
         if task.create():
             layout.enable_v2(task)
-        if layout.uses_v1(merged):
-            layout.make_v1_dirs(task_key)
-            self._give_all_v1_dirs(task_key)
-        layout.apply(merged, task.path, task_key)
-        layout.store_limits(task, merged)
+        with _stored_first(layout, task, merged, layout.uses_v1(merged)) as needs_v1:
+            if needs_v1:
+                layout.make_v1_dirs(task_key)
+                self._give_all_v1_dirs(task_key)
+            layout.apply(merged, task.path, task_key)
 
     def set_root_limits(self, limits: Limits) -> None:
         """Change the budget of the managed root: all turns together (None fields unchanged).
@@ -119,11 +124,11 @@ class CgroupLimiter:
         self._ensure_root()
         merged = layout.stored_limits(self._root).merged(limits)
         layout.check(merged)
-        if layout.uses_v1(merged):
-            layout.make_v1_dirs()
-            self._give_all_v1_dirs(None)
-        layout.apply(merged, self._root.path)
-        layout.store_limits(self._root, merged)
+        with _stored_first(layout, self._root, merged, layout.uses_v1(merged)) as needs_v1:
+            if needs_v1:
+                layout.make_v1_dirs()
+                self._give_all_v1_dirs(None)
+            layout.apply(merged, self._root.path)
 
     def task_limits(self, task_key: str) -> Limits:
         """The task's own limits as stored on its directory (empty when none)."""
@@ -171,13 +176,38 @@ class CgroupLimiter:
         return cgroup2_views.pressure(self._cg(record).path)
 
     def _give_all_v1_dirs(self, task_key: str | None) -> None:
-        """Give v1 directories to every turn of the task (all turns with None) that has none."""
-        for rec in self._records(task_key):
-            if not rec.v1_dirs and rec.state != CORRUPT:
-                try:
-                    self._give_v1_dirs(rec)
-                except NoSuchTurn:
-                    continue  # removed meanwhile: nothing of it to limit
+        """Give v1 directories to every turn of the task (all turns with None) that has none.
+
+        Called once the new limits are stored (`_stored_first`): a turn whose creator reads them from
+        now on makes its own v1 directories (limit_new_turn). One whose creator read them before has
+        its directory already, perhaps not yet its record: those are waited for (RECORD_WAIT), so
+        that they get v1 directories here.
+        """
+        done: set[tuple[str, str]] = set()
+        deadline = time.monotonic() + RECORD_WAIT
+        while True:
+            for rec in self._records(task_key):
+                names = (rec.task_key, rec.turn_key)
+                if names in done:
+                    continue
+                done.add(names)
+                if not rec.v1_dirs and rec.state != CORRUPT:
+                    try:
+                        self._give_v1_dirs(rec)
+                    except NoSuchTurn:
+                        continue  # removed meanwhile: nothing of it to limit
+            unrecorded = self._turn_dirs(task_key) - done
+            if not unrecorded or time.monotonic() >= deadline:
+                if unrecorded:
+                    log.warning("no record appeared within %g s for turn directories %s: left without v1 "
+                                "directories", RECORD_WAIT, sorted("/".join(n) for n in unrecorded))
+                return
+            time.sleep(RECORD_POLL)  # a creator between its mkdir and its record write: microseconds
+
+    def _turn_dirs(self, task_key: str | None) -> set[tuple[str, str]]:
+        """(task_key, turn_key) of every turn directory of the task (of all tasks with None)."""
+        tasks = [self._root.child(task_key)] if task_key is not None else self._root.children()
+        return {(task.name, cg.name) for task in tasks for cg in task.children()}
 
     def _give_v1_dirs(self, record: TurnRecord) -> TurnRecord:
         """Make a running turn's v1 directories and move its processes in, frozen meanwhile so that
@@ -247,3 +277,21 @@ class CgroupLimiter:
                 if not os.path.isdir(task_v2.path) and Cgroup(os.path.join(root, task_name)).remove_tree(timeout=0.5):
                     removed.append(os.path.join(root, task_name))
         return removed
+
+
+@contextlib.contextmanager
+def _stored_first(layout: Layout, cg: Cgroup, limits: Limits, needs_v1: bool):
+    """Store a task's or the root's new `limits` before the body gives turns v1 directories and
+    applies them, so a turn begun meanwhile reads them (limit_new_turn); the previous ones come back
+    when the body fails. Yields `needs_v1`."""
+    if not needs_v1:
+        yield needs_v1
+        layout.store_limits(cg, limits)
+        return
+    previous = layout.stored_limits(cg)
+    layout.store_limits(cg, limits)
+    try:
+        yield needs_v1
+    except BaseException:
+        layout.store_limits(cg, previous)
+        raise
