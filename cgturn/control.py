@@ -259,3 +259,10 @@ class TurnControl:
         under the turn's lock, so a lease extended meanwhile holds. skipped=True when it has not."""
         return self.abandon_turn(task_key, turn_key, reasons.LEASE_EXPIRED, 0.0, force=True,
                                  when=lambda rec: leases.expired(rec, time.time()))
+
+    def turn_ended_elsewhere(self, task_key: str, turn_key: str) -> None:
+        """Let go of what this process holds for the turn at these names now that another process ended
+        it (a network namespace fd): what this process's own transition does when the end is its own."""
+        isolation = getattr(self.backend, "isolation", None)  # the cgroup2 backend's; the registry holds nothing
+        if isolation is not None:
+            isolation.release(task_key, turn_key)

@@ -84,6 +84,9 @@ class GuardRunner:
             raise GuardUnavailable(f"a pressure guard is already armed on this managed root by process "
                                    f"{other['owner_pid']} (watching {other.get('file')})")
         self.owned_by = None
+        # Turns a guard froze and can no longer thaw (it was SIGKILLed, or its host crashed): their
+        # records say so, and their clocks stand still until someone does. This guard takes them on.
+        self.state["frozen"] = self._left_frozen()
         try:
             self.trigger = probes.ArmedTrigger(self.path, self.guard.parsed)
         except OSError as err:
@@ -91,7 +94,16 @@ class GuardRunner:
             self._publish(armed=False, problem=problem)
             raise GuardUnavailable(problem) from err
         log.info("pressure guard armed: %r on %s", self.guard, self.path)
+        if self.state["frozen"]:
+            log.info("pressure guard took on %d turn(s) an earlier guard left frozen", len(self.state["frozen"]))
+            self._publish()
         return True
+
+    def _left_frozen(self) -> list[Names]:
+        """The turns whose record says a guard froze them: only a guard thaws those, and the one
+        that froze them is gone (this guard owns the root now)."""
+        return sorted((v.record.task_key, v.record.turn_key) for v in self._control.views()
+                      if v.record.frozen_by == BY)
 
     def _watched_file(self) -> str:
         root = self.manager.root
@@ -154,7 +166,10 @@ class GuardRunner:
         poller.register(trig.fd, select.POLLPRI)
         poller.register(self._wake_r, select.POLLIN)
         window = trig.trigger.window_us / 1e6
-        hold = guard_policy.Hold(self.guard.thaw_after, last_over=time.monotonic() - self.guard.thaw_after)
+        # Turns taken on from an earlier guard are held at least thaw_after from now: this guard has
+        # not seen the pressure that froze them fall yet.
+        quiet_since = time.monotonic() - (0.0 if self.state["frozen"] else self.guard.thaw_after)
+        hold = guard_policy.Hold(self.guard.thaw_after, last_over=quiet_since)
         prev_t, prev_total = time.monotonic(), trig.total_us() or 0
         self._baseline = self._loads()[0] if self._cumulative else {}
         while not self._stopping:

@@ -98,7 +98,9 @@ class OutsideAbandon:
         return reasons.UNRECORDED, None, None
 
     def learn(self, rec: Any, result: AbandonResult | None) -> None:
-        """Keep who killed the turn (from its record) and the kill's figures when known already."""
+        """Keep who killed the turn (from its record) and the kill's figures when known already; let go
+        of what this process holds for the ended turn (its network namespace)."""
+        self._control.turn_ended_elsewhere(*self._names)
         if rec is not None and rec.killer_pid is not None:
             self.killed_by = rec.killer_pid
             if rec.killer_start is not None:

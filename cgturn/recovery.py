@@ -5,7 +5,10 @@ One pass over every turn, each judged on its own:
 - abandoned, and the process that was killing it is gone: finish the kill;
 - corrupt (no trustworthy record): kill it — the directory is a turn, whatever its record says;
 - completed, and its survivors' lease has run out: kill them (reason `lease-expired`);
-- completed with nothing left: remove it.
+- completed with nothing left: remove it;
+- frozen by the pressure guard while no guard is alive on the managed root (it was SIGKILLed, or the
+  host crashed): thaw it — only a guard thaws what a guard froze, and a frozen turn's clocks stand
+  still, so its timeouts would never fire (a live guard takes such turns on itself when it arms).
 An owner that cannot be looked at (AccessDenied) is not gone: its turn is left alone and reported.
 Then the task directories left empty are removed. Linear in the number of turns.
 """
@@ -17,11 +20,14 @@ import time
 from typing import Any
 
 from . import leases, reasons
+from .backends import guard_state
 from .backends.base import Backend
 from .control import TurnControl
 from .errors import AccessDenied, CgturnError
 from .kernel import procfs
 from .model import ABANDONED, COMPLETED, CORRUPT, RUNNING, TurnRecord
+
+GUARD = "guard"  # `frozen_by` of a turn the pressure guard froze (cgturn.guard_policy.BY)
 
 # The actions a recovery pass reports.
 ABANDONED_ACTION = "abandoned"          # a running turn whose owner died
@@ -30,6 +36,7 @@ KILLED_CORRUPT = "killed-corrupt"       # a turn directory without a trustworthy
 REMOVED = "removed"                     # a completed turn with nothing left
 KILLED_EXPIRED = "lease-expired"        # a completed turn whose survivors' lease ran out (reason LEASE_EXPIRED)
 REMOVED_V1 = "removed-v1-dirs"          # v1 directories of a turn that is gone (`path`)
+THAWED_ORPHAN = "thawed"              # a turn a guard froze, with no guard alive to thaw it
 KILLED_STRAY = "killed-stray"           # a process outside every turn, in a task directory or the root
 OWNER_UNKNOWN = "owner-unknown"         # the owner could not be looked at: left alone
 ERROR = "error"                         # the turn could not be handled (e.g. it holds the caller)
@@ -60,11 +67,14 @@ def recover(control: TurnControl) -> list[RecoveryAction]:
     """
     actions: list[RecoveryAction] = []
     backend = control.backend
+    guard_alive = guard_state.live(backend) is not None
     for rec in backend.records():
         if rec.state in (RUNNING, COMPLETED):
             control.check_limits(rec.task_key, rec.turn_key)  # limit kills nobody has audited yet
         try:
             action = _recover_one(control, rec)
+            if action is None and not guard_alive and rec.frozen_by == GUARD:
+                action = _thaw_orphan(control, rec)
         except CgturnError as err:
             # One turn that cannot be handled (e.g. it holds the caller) must not stop the rest.
             action = RecoveryAction(ERROR, rec.task_id, rec.turn_id, error=str(err))
@@ -106,6 +116,16 @@ def _task_of(backend: Backend, where: str) -> str:
     return "" if name == "." else (ids.decode(name) or name)
 
 
+def _thaw_orphan(control: TurnControl, rec: TurnRecord) -> RecoveryAction | None:
+    """Thaw a turn the pressure guard froze when no guard is alive to (audited as `thaw`, reason
+    `guard`); None when it is no longer the guard's (a user paused or thawed it meanwhile)."""
+    current = control.record(rec.task_key, rec.turn_key)
+    if current is None or current.frozen_by != GUARD or current.state not in (RUNNING, COMPLETED):
+        return None
+    control.thaw_turn(rec.task_key, rec.turn_key, by=GUARD)
+    return RecoveryAction(THAWED_ORPHAN, rec.task_id, rec.turn_id, GUARD)
+
+
 def _recover_one(control: TurnControl, rec: TurnRecord) -> RecoveryAction | None:
     if rec.state == RUNNING:
         try:
@@ -132,6 +152,24 @@ def _recover_one(control: TurnControl, rec: TurnRecord) -> RecoveryAction | None
         if not result.skipped:
             return RecoveryAction(KILLED_EXPIRED, rec.task_id, rec.turn_id, reasons.LEASE_EXPIRED, result.killed)
         return None
-    if rec.state == COMPLETED and control.backend.wait_empty(rec, 0) and control.backend.remove(rec):
+    if remove_emptied(control, rec, remove_task=False):
         return RecoveryAction(REMOVED, rec.task_id, rec.turn_id)
     return None
+
+
+def remove_emptied(control: TurnControl, rec: TurnRecord, remove_task: bool = True) -> bool:
+    """Remove a completed turn with nothing left in it, as completion removes one that is empty at
+    once (its limit counters are audited first; they go with its cgroup). The rmdir is the atomic
+    check: a turn that still holds a process stays. True when it was removed.
+
+    Args:
+        remove_task: remove its task directory too when that was its last turn.
+    """
+    if rec.state != COMPLETED or not control.backend.wait_empty(rec, 0):
+        return False
+    control.check_limits(rec.task_key, rec.turn_key)
+    if not control.backend.remove(rec):
+        return False
+    if remove_task:
+        control.backend.remove_task(rec.task_key)
+    return True

@@ -143,6 +143,7 @@ class SentinelClient:
         self._sock.setblocking(False)
         self._last_touch: dict[tuple[str, str], float] = {}
         self._next_prune = 0.0
+        self._leased_until = 0.0  # wall clock: the latest lease sent (the sentinel stays for it)
         self.closed = False
         try:
             self.process = _start_process(manager, theirs.fileno())
@@ -227,7 +228,8 @@ class SentinelClient:
         Args:
             rec: the turn's record (its `expires_at` is sent).
         """
-        self._send(protocol.lease(rec.task_key, rec.turn_key, rec.expires_at), block=True)
+        if self._send(protocol.lease(rec.task_key, rec.turn_key, rec.expires_at), block=True) and rec.expires_at:
+            self._leased_until = max(self._leased_until, rec.expires_at)
 
     def turn_ended(self, event: Any) -> None:
         """Listener hook: a turn ended; the sentinel forgets its clocks.
@@ -253,12 +255,14 @@ class SentinelClient:
 
         Args:
             wait: seconds to wait; a sentinel still tracking running turns of a live owner stays, and
-                exits once they end.
+                exits once they end. A sentinel holding a lease stays until it is over (no wait).
         """
         if self.closed:
             return
         self.closed = True
         self._sock.close()
+        if self._leased_until > time.time():
+            return  # it enforces the lease after we are gone: do not hold our caller meanwhile
         try:
             self.process.wait(timeout=wait)
         except subprocess.TimeoutExpired:

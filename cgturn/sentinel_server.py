@@ -9,8 +9,13 @@ Owner death: the sentinel holds a pidfd of the owner (5.3+) and also sees EOF on
 owner is dead it abandons every running turn it tracks at once (reason `owner-died`, no grace);
 completed turns are not tracked, so their survivors stay. Leases: at a lease's expiry it reads the
 turn's record (the one truth: another process may have moved the lease) and kills the survivors
-(reason `lease-expired`) if it has run out. It exits when it tracks nothing and the owner's channel is
-closed.
+(reason `lease-expired`) if it has run out. A lease is the user's request, so it outlives the owner:
+after the owner closed its channel or died, the sentinel stays until every lease it was given has run
+out, been moved off it (cleared, or the turn ended another way), or its survivors all exited — an
+emptied completed turn is removed then, as completion removes an empty turn. Completed turns it was
+told about (`untrack`) are looked at on the next sweeps too, while it runs anyway: one whose survivors
+all exited is removed, rather than lingering as `completed` with no pids until `cgturn reap`. It exits
+when it tracks nothing, holds no lease, and the owner's channel is closed.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import clocks, ids, leases, probes, reasons
+from . import clocks, ids, leases, probes, reasons, recovery
 from .logfields import turn_fields
 from .model import ABANDONED, COMPLETED
 from .sentinel_protocol import MAX_MESSAGE, parse_message
@@ -76,8 +81,10 @@ class Sentinel:
         self.sock: socket.socket | None = sock
         self.tracked: dict[tuple[str, str], TurnClock] = {}
         self.leases: dict[tuple[str, str], float] = {}  # turn key -> monotonic time to look at its lease
+        self.ended: set[tuple[str, str]] = set()  # turns the owner ended: removed here once emptied
         self.owner_pidfd = probes.open_owner(owner_pid, owner_start)
         self.owner_dead = self.owner_pidfd is None
+        self.orphaned = False  # the owner is dead and its running turns were abandoned
         self.kills: list[threading.Thread] = []
         self._next_sweep = time.monotonic() + SWEEP_INTERVAL
 
@@ -85,14 +92,17 @@ class Sentinel:
         """Serve until nothing is tracked and the owner's channel is closed, or the owner died."""
         while True:
             self._wait_and_read(self._timeout())
-            if self.owner_dead:
+            if self.owner_dead and not self.orphaned:
                 # Everything the owner sent before it died is read by now (_drain reads to EAGAIN/EOF).
                 self._abandon_all(reasons.OWNER_DIED)
-                break
+                self.orphaned = True
+                if self.sock is not None:
+                    self.sock.close()
+                    self.sock = None
             self._fire_due()
             self._expire_due_leases()
             self._sweep()
-            if self.sock is None and not self.tracked:
+            if self.sock is None and not self.tracked and not self.leases:
                 break
         if self.sock is not None:
             self.sock.close()
@@ -100,12 +110,12 @@ class Sentinel:
             thread.join()
 
     def _timeout(self) -> float:
-        if self.owner_dead:
+        if self.owner_dead and not self.orphaned:
             return 0.0
         now = time.monotonic()
         dues = [d[0] for c in self.tracked.values() if (d := c.due()) is not None] + list(self.leases.values())
         nearest = min(dues, default=now + 3600)
-        if self.tracked:
+        if self.tracked or self.leases or self.ended:
             nearest = min(nearest, self._next_sweep)
         return max(0.0, nearest - now)
 
@@ -160,6 +170,7 @@ class Sentinel:
                 touched.last = max(touched.last, msg["at"])
         elif op == "untrack":
             self.tracked.pop(key, None)
+            self.ended.add(key)  # looked at from the next sweep on: the owner removes an empty one itself
         elif op == "lease":
             if msg["expires_at"] is None:
                 self.leases.pop(key, None)
@@ -240,6 +251,7 @@ class Sentinel:
         if now < self._next_sweep:
             return
         self._next_sweep = now + SWEEP_INTERVAL
+        self._sweep_leases()
         for key in list(self.tracked):
             # Only an ended turn loses its clock: a turn whose record was garbled (state "corrupt")
             # is still a turn to kill when its owner dies.
@@ -250,6 +262,31 @@ class Sentinel:
                 self._control.check_limits(*key)
             except Exception:  # noqa: BLE001 - auditing must never stop the sentinel
                 log.exception("could not check the limits of %r", key, extra=_key_fields(key))
+
+    def _sweep_leases(self) -> None:
+        """Forget turns that need no more looking at: leases of turns gone, no longer completed, with
+        the lease cleared or nothing left in them, and ended turns gone or emptied; an emptied
+        completed turn is removed."""
+        for key in list(self.leases):
+            if self._settled(key, leased=True):
+                del self.leases[key]
+        for key in list(self.ended):
+            if key not in self.leases and self._settled(key, leased=False):
+                self.ended.discard(key)
+
+    def _settled(self, key: tuple[str, str], leased: bool) -> bool:
+        """True when the turn at `key` needs no more looking at (removed here if it emptied)."""
+        try:
+            rec = self._control.record(*key)
+            if rec is None or rec.state != COMPLETED or (leased and rec.expires_at is None):
+                return True
+            if recovery.remove_emptied(self._control, rec):
+                log.info("completed turn %r emptied: removed", key, extra=_key_fields(key))
+                return True
+            return False
+        except Exception:  # noqa: BLE001 - one unreadable turn must not end the sentinel
+            log.exception("cannot look at the completed turn %r", key, extra=_key_fields(key))
+            return True
 
 
 def _key_fields(key: tuple[str, str], reason: str | None = None, **more: Any) -> dict[str, Any]:

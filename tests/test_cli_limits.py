@@ -132,7 +132,8 @@ def test_limits_report_in_words():
     assert lines[0] == "limits of turn 't-1' of task 'chat':"
     assert [line.split() for line in lines[1:8]] == [
         ["memory_max", "50", "MiB"], ["memory_high", "max"], ["swap_max", "max"], ["pids_max", "20"],
-        ["cpus", "0.5"], ["cpu_weight", "max"], ["oom_group", "default"]]
+        ["cpus", "0.5"], ["cpu_weight", "default", "(100)"], ["oom_group", "default", "(on:", "an", "OOM", "kill",
+                                                                       "takes", "the", "whole", "turn)"]]
     assert lines[8] == "usage:"
     assert [line.split() for line in lines[9:]] == [
         ["oom_kills", "1"], ["pids_max_hits", "0"], ["memory_peak_bytes", "50", "MiB"], ["cpu_seconds", "1.25s"],

@@ -18,10 +18,12 @@ import uuid
 
 import pytest
 
-from conftest import PY, audit_records, cgturn_argv, cgturn_env, destroy_cgroup_tree, need_cgroup2, wait_until
+from conftest import (PY, audit_records, cgturn_argv, cgturn_env, cli, destroy_cgroup_tree, need_cgroup2, turn_dir,
+                      wait_until)
 from cgturn import GuardUnavailable, Limits, Overloaded, PressureGuard, TurnManager
 from cgturn.backends import guard_state
 from cgturn.guard_policy import Hold, Step, eligible, frozen_too_long, heaviest, poll_timeout_ms, still_pressing, watched_cgroup
+from cgturn.kernel.cgroupfs import Cgroup
 from cgturn.model import TurnRecord
 from cgturn.kernel import parsers, procfs, psi
 from cgturn.metrics import AuditTail
@@ -476,6 +478,114 @@ def test_cgturn_guard_in_the_foreground_freezes_and_thaws_on_sigterm(cgroup2_roo
             guard.kill()
             guard.wait()
         plain.close()
+
+
+# --- a crashed guard leaves no turn frozen --------------------------------------------------------------
+
+def _quiet(gateway: str) -> None:
+    """Stop the stand-in gateway's busy loop: its cgroup stalls no more, however loaded the host."""
+    with open(os.path.join(gateway, "cgroup.procs")) as f:
+        for pid in f.read().split():
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def _guard_cli(root, state_dir, gateway, *extra) -> subprocess.Popen:
+    return subprocess.Popen(cgturn_argv(root, state_dir, "guard", "--resource", "cpu", "--trigger", TRIGGER,
+                                        "--watch", gateway, *extra),
+                            env=cgturn_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture
+def frozen_by_guard(cgroup2_root, state_dir, gateway):
+    """A hog turn that a `cgturn guard` (thaw and abandon after 600 s) froze under CPU pressure:
+    yields (manager, hog turn, guard process); the turn is abandoned and the guard stopped at teardown."""
+    plain = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, sentinel=False)
+    guard = _guard_cli(cgroup2_root, state_dir, gateway, "--thaw-after", "600", "--abandon-after", "600")
+    hog = plain.begin_turn("t", "hog")
+    try:
+        for _ in range(HOGS):
+            hog.spawn([PY, "-c", BUSY])
+        assert wait_until(lambda: hog.record.frozen_by == "guard", timeout=DEADLINE), guard.stderr
+        yield plain, hog, guard
+    finally:
+        _stopped(guard)
+        if hog.state != "abandoned":
+            hog.abandon("test over", grace=0)
+        plain.close()
+
+
+@pytest.fixture
+def crashed_guard(frozen_by_guard):
+    """`frozen_by_guard` with its guard SIGKILLed by its recorded pid: yields (manager, hog turn)."""
+    plain, hog, first = frozen_by_guard
+    recorded = guard_state.live(plain.backend)
+    assert recorded is not None and recorded["owner_pid"] == first.pid
+    os.kill(recorded["owner_pid"], signal.SIGKILL)
+    first.wait(30)
+    assert guard_state.live(plain.backend) is None and hog.record.frozen_by == "guard"  # left frozen
+    return plain, hog
+
+
+def _stopped(guard: subprocess.Popen) -> None:
+    if guard.poll() is None:
+        guard.send_signal(signal.SIGTERM)
+        try:
+            guard.wait(30)
+        except subprocess.TimeoutExpired:
+            guard.kill()
+            guard.wait()
+
+
+def test_a_successor_guard_thaws_a_turn_a_killed_guard_left_frozen(crashed_guard, cgroup2_root, state_dir,
+                                                                    gateway):
+    """docs/guard.md: the guard thaws what it froze once the pressure stayed away `thaw_after`; a
+    successor does so for the turns a SIGKILLed guard left frozen."""
+    plain, hog = crashed_guard
+    _quiet(gateway)
+    successor = _guard_cli(cgroup2_root, state_dir, gateway, "--thaw-after", "1", "--abandon-after", "600")
+    try:
+        assert wait_until(lambda: hog.record.frozen_by is None, timeout=DEADLINE)
+        assert hog.record.state == "running"
+        assert Cgroup(turn_dir(plain, hog)).events().get("frozen") == 0
+        thaws = [r for r in audit_records(state_dir, "hog") if r.get("action") == "thaw"]
+        assert [r["reason"] for r in thaws] == ["guard"]
+    finally:
+        _stopped(successor)
+
+
+def test_a_successor_guard_abandons_a_turn_left_frozen_too_long(crashed_guard, cgroup2_root, state_dir, gateway):
+    """A turn a killed guard left frozen is abandoned `abandon_after` after its freeze by a successor
+    that does not thaw it first (pressure reason)."""
+    plain, hog = crashed_guard
+    successor = _guard_cli(cgroup2_root, state_dir, gateway, "--thaw-after", "600", "--abandon-after", "1")
+    try:
+        assert wait_until(lambda: hog.state == "abandoned", timeout=DEADLINE)
+        kills = [r for r in audit_records(state_dir, "hog") if r.get("action", "kill") == "kill"]
+        assert wait_until(lambda: [r["reason"] for r in audit_records(state_dir, "hog")
+                                   if r.get("action", "kill") == "kill"] == ["pressure"], timeout=DEADLINE), kills
+    finally:
+        _stopped(successor)
+
+
+def test_reap_thaws_a_turn_a_killed_guard_left_frozen(crashed_guard, cgroup2_root, state_dir):
+    """With no guard alive on the managed root, `cgturn reap` thaws what a guard froze (its clocks
+    run again, so its timeouts can fire) and says so."""
+    plain, hog = crashed_guard
+    out = cli(cgroup2_root, state_dir, "reap", "--json")
+    assert out.returncode == 0, out.stderr
+    assert {"action": "thawed", "task": "t", "turn": "hog", "reason": "guard"} in json.loads(out.stdout)
+    assert hog.record.frozen_by is None and hog.record.state == "running"
+    assert Cgroup(turn_dir(plain, hog)).events().get("frozen") == 0
+    again = cli(cgroup2_root, state_dir, "reap")
+    assert "thawed" not in again.stdout  # once
+
+
+def test_reap_leaves_a_live_guards_frozen_turn_alone(frozen_by_guard, cgroup2_root, state_dir):
+    """While the guard that froze a turn lives, `reap` does not thaw it: it is the guard's."""
+    _plain, hog, _guard = frozen_by_guard
+    out = cli(cgroup2_root, state_dir, "reap", "--json")
+    assert out.returncode == 0 and json.loads(out.stdout) == [], out.stdout
+    assert hog.record.frozen_by == "guard"
 
 
 # --- the guard under real memory pressure ------------------------------------------------------------

@@ -4,7 +4,9 @@ network namespaces of turns begun with network="none" (kernel/netns.py), held by
 A namespace is made when its turn is, before anything else (IsolationUnavailable leaves nothing
 behind), kept while the turn runs so every spawn joins it (through the shim's nsenter step), and
 closed once the turn is no longer running: its processes keep it alive while they live, and a turn
-that is gone leaves nothing behind. Another process spawning into the turn joins the namespace of a
+that is gone leaves nothing behind. A turn ended by this process lets go at its transition; one ended by
+another process (`cgturn stop`, the sentinel) when this process learns it (a Supervisor noticing the
+outside abandon, `release`), or at the latest at this process's next begin_turn. Another process spawning into the turn joins the namespace of a
 live member instead.
 """
 from __future__ import annotations
@@ -90,6 +92,16 @@ class TurnIsolation:
             os.close(fd)
         raise IsolationUnavailable(f"turn {record.turn_id!r} of task {record.task_id!r} has no network "
                                    "namespace left to join (its owner's is closed and no process of it lives)")
+
+    def release(self, task_key: str, turn_key: str) -> None:
+        """Close the namespace fd of this turn if it is held here and the turn no longer runs (ended
+        by another process: this one learnt it from the turn's record)."""
+        with self._lock:
+            if (task_key, turn_key) not in self._fds:
+                return
+            rec = self._load(task_key, turn_key)
+            if rec is None or rec.state != RUNNING:
+                os.close(self._fds.pop((task_key, turn_key)))
 
     def release_ended(self) -> None:
         """Close the namespace fds of turns no longer running."""

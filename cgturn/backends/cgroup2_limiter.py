@@ -8,9 +8,11 @@ lifting a dying turn's CPU quota. The registry backend has no limiter (`limiter`
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import time
 from typing import Any, Callable, Iterable
 
 from ..errors import KernelError, LimitsUnavailable, NoSuchTurn
@@ -23,6 +25,9 @@ from .cgroup2_limits import Layout
 
 log = logging.getLogger("cgturn")
 FREEZE_TIMEOUT = 1.0
+# How long a new budget waits for the record of a turn directory made just before it was stored.
+RECORD_WAIT = 1.0
+RECORD_POLL = 0.002
 
 Transition = Callable[[str, str, Iterable[str], str, dict[str, Any]], tuple[bool, "TurnRecord | None"]]
 
@@ -106,13 +111,11 @@ class CgroupLimiter:
         layout.check(merged)
         if task.create():
             layout.enable_v2(task)
-        if layout.uses_v1(merged):
-            layout.make_v1_dirs(task_key)
-            for rec in self._records(task_key):
-                if not rec.v1_dirs and rec.state != CORRUPT:
-                    self._give_v1_dirs(rec)
-        layout.apply(merged, task.path, task_key)
-        layout.store_limits(task, merged)
+        with _stored_first(layout, task, merged, layout.uses_v1(merged)) as needs_v1:
+            if needs_v1:
+                layout.make_v1_dirs(task_key)
+                self._give_all_v1_dirs(task_key)
+            layout.apply(merged, task.path, task_key)
 
     def set_root_limits(self, limits: Limits) -> None:
         """Change the budget of the managed root: all turns together (None fields unchanged).
@@ -121,13 +124,11 @@ class CgroupLimiter:
         self._ensure_root()
         merged = layout.stored_limits(self._root).merged(limits)
         layout.check(merged)
-        if layout.uses_v1(merged):
-            layout.make_v1_dirs()
-            for rec in self._records(None):
-                if not rec.v1_dirs and rec.state != CORRUPT:
-                    self._give_v1_dirs(rec)
-        layout.apply(merged, self._root.path)
-        layout.store_limits(self._root, merged)
+        with _stored_first(layout, self._root, merged, layout.uses_v1(merged)) as needs_v1:
+            if needs_v1:
+                layout.make_v1_dirs()
+                self._give_all_v1_dirs(None)
+            layout.apply(merged, self._root.path)
 
     def task_limits(self, task_key: str) -> Limits:
         """The task's own limits as stored on its directory (empty when none)."""
@@ -174,25 +175,92 @@ class CgroupLimiter:
         """{resource: {some_avg10, full_avg10} or None} for cpu, memory, io (the turn's PSI files)."""
         return cgroup2_views.pressure(self._cg(record).path)
 
+    def _give_all_v1_dirs(self, task_key: str | None) -> None:
+        """Give v1 directories to every turn of the task (all turns with None) that has none.
+
+        Called once the new limits are stored (`_stored_first`): a turn whose creator reads them from
+        now on makes its own v1 directories (limit_new_turn). One whose creator read them before has
+        its directory already, perhaps not yet its record: those are waited for (RECORD_WAIT), so
+        that they get v1 directories here.
+        """
+        done: set[tuple[str, str]] = set()
+        deadline = time.monotonic() + RECORD_WAIT
+        while True:
+            for rec in self._records(task_key):
+                names = (rec.task_key, rec.turn_key)
+                if names in done:
+                    continue
+                done.add(names)
+                if not rec.v1_dirs and rec.state != CORRUPT:
+                    try:
+                        self._give_v1_dirs(rec)
+                    except NoSuchTurn:
+                        continue  # removed meanwhile: nothing of it to limit
+            unrecorded = self._turn_dirs(task_key) - done
+            if not unrecorded or time.monotonic() >= deadline:
+                if unrecorded:
+                    log.warning("no record appeared within %g s for turn directories %s: left without v1 "
+                                "directories", RECORD_WAIT, sorted("/".join(n) for n in unrecorded))
+                return
+            time.sleep(RECORD_POLL)  # a creator between its mkdir and its record write: microseconds
+
+    def _turn_dirs(self, task_key: str | None) -> set[tuple[str, str]]:
+        """(task_key, turn_key) of every turn directory of the task (of all tasks with None)."""
+        tasks = [self._root.child(task_key)] if task_key is not None else self._root.children()
+        return {(task.name, cg.name) for task in tasks for cg in task.children()}
+
     def _give_v1_dirs(self, record: TurnRecord) -> TurnRecord:
         """Make a running turn's v1 directories and move its processes in, frozen meanwhile so that
-        none forks past the move (cgroup.freeze, 5.2+)."""
+        none forks past the move (cgroup.freeze, 5.2+).
+
+        The order closes the window a spawn could slip through: the record says `v1_dirs` (under the
+        turn's lock) before the processes are listed. A spawn that read the record earlier holds the
+        turn's shared lock until its child is in the turn's cgroup, so that child is listed and moved
+        here; one that reads it later joins the v1 directories itself (spawn_paths, shim).
+
+        Raises:
+            NoSuchTurn: the turn is gone.
+        """
         cg = self._cg(record)
         self._layout().make_v1_dirs(record.task_key, record.turn_key)
+        record = self._mark_v1_dirs(record)
         was_frozen = cg.events().get("frozen", 0) == 1  # paused by a user or the guard: stays so
         cg.set_frozen(True)
         try:
-            cg.wait_events(lambda ev: ev.get("frozen", 1) == 1, FREEZE_TIMEOUT)
-            for pid in cg.procs_recursive():
-                try:
-                    self._layout().join_v1(pid, record.task_key, record.turn_key)
-                except (FileNotFoundError, KernelError):
-                    continue  # exited meanwhile
+            frozen = cg.wait_events(lambda ev: ev.get("frozen", 1) == 1, FREEZE_TIMEOUT)
+            self._join_all(record, cg, settled=frozen)
         finally:
             if not was_frozen:
                 cg.set_frozen(False)
-        _, rec = self._transition(record.task_key, record.turn_key, {record.state}, record.state, {"v1_dirs": True})
-        return rec or record
+        return record
+
+    def _mark_v1_dirs(self, record: TurnRecord) -> TurnRecord:
+        """Set `v1_dirs` in the turn's record, whatever state it moved to meanwhile."""
+        for _ in range(5):
+            won, rec = self._transition(record.task_key, record.turn_key, {record.state}, record.state,
+                                        {"v1_dirs": True})
+            if rec is None:
+                raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} no longer exists")
+            if won or rec.v1_dirs:
+                return rec
+            record = rec  # its state changed under us: mark it in the state it has now
+        raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} keeps changing state")
+
+    def _join_all(self, record: TurnRecord, cg: Cgroup, settled: bool) -> None:
+        """Move every process of the turn's cgroup tree into its v1 directories. Frozen (`settled`),
+        one pass sees them all; otherwise passes repeat until one finds no process it had not moved
+        (children forked by a moved process are born in its v1 cgroups)."""
+        moved: set[int] = set()
+        while True:
+            new = [pid for pid in cg.procs_recursive() if pid not in moved]
+            for pid in new:
+                try:
+                    self._layout().join_v1(pid, record.task_key, record.turn_key)
+                except (FileNotFoundError, KernelError):
+                    pass  # exited meanwhile
+                moved.add(pid)
+            if settled or not new:
+                return
 
     def sweep_v1_dirs(self) -> list[str]:
         """Remove v1 directories whose turn or task is gone from cgroup2 (an owner that crashed
@@ -209,3 +277,21 @@ class CgroupLimiter:
                 if not os.path.isdir(task_v2.path) and Cgroup(os.path.join(root, task_name)).remove_tree(timeout=0.5):
                     removed.append(os.path.join(root, task_name))
         return removed
+
+
+@contextlib.contextmanager
+def _stored_first(layout: Layout, cg: Cgroup, limits: Limits, needs_v1: bool):
+    """Store a task's or the root's new `limits` before the body gives turns v1 directories and
+    applies them, so a turn begun meanwhile reads them (limit_new_turn); the previous ones come back
+    when the body fails. Yields `needs_v1`."""
+    if not needs_v1:
+        yield needs_v1
+        layout.store_limits(cg, limits)
+        return
+    previous = layout.stored_limits(cg)
+    layout.store_limits(cg, limits)
+    try:
+        yield needs_v1
+    except BaseException:
+        layout.store_limits(cg, previous)
+        raise

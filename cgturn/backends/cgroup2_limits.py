@@ -59,10 +59,11 @@ class Layout:
         return [p for p in self._decide()[1] if p.split(":", 1)[0] not in have]
 
     def report(self) -> dict:
-        """`{layout, available, problems}` (what `cgturn doctor` shows)."""
+        """`{layout, available, problems, unsupported}` (what `cgturn doctor` shows); `unsupported`
+        maps each limit field this layout cannot set to why (`cgturn limits` shows it)."""
         places = self.places()
         return {"layout": controllers.layout_name(places), "available": sorted(places),
-                "problems": self.problems()}
+                "problems": self.problems(), "unsupported": unsupported_fields(places)}
 
     def record(self) -> None:
         """Record the places on the managed root (just made, or made by an older cgturn) and enable
@@ -235,3 +236,20 @@ class Layout:
         `v1=False`) used (`figures=False`: only the limit counters, see controllers.read_usage)."""
         return controllers.read_usage(v2_dir, self.places(), self.v1_dirs(*names) if v1 else {}, figures)
 
+
+# One value per limit field, to ask the layout's own rules (controllers.limit_files) whether the field can
+# be set at all: swap_max is asked with memory_max, which it needs on v1.
+_PROBES = {"memory_max": Limits(memory_max=2 ** 30), "memory_high": Limits(memory_high=2 ** 30),
+           "swap_max": Limits(memory_max=2 ** 30, swap_max=0), "pids_max": Limits(pids_max=100),
+           "cpus": Limits(cpus=1.0), "cpu_weight": Limits(cpu_weight=100), "oom_group": Limits(oom_group=True)}
+
+
+def unsupported_fields(places: dict[str, Place]) -> dict[str, str]:
+    """{limit field: why it cannot be set} for the fields the controllers at `places` cannot take."""
+    out = {}
+    for name, probe in _PROBES.items():
+        try:
+            controllers.limit_files(probe, places)
+        except LimitsUnavailable as err:
+            out[name] = str(err)
+    return out

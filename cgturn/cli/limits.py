@@ -4,6 +4,12 @@ root (no TASK: all turns together), a task (all its turns together) or one turn,
 Without a limit option it only reads. With one it changes just the limits given (the others stay as
 they are; `max` removes one) and prints the result. A task given limits keeps its cgroup between
 turns until `cgturn end`. Exit 1: no such task or turn, or a limit this host cannot enforce; 2: bad input.
+
+What is shown is what holds: a limit not set reads `max` (no limit of its own; its task's or the
+root's may apply), `cpu_weight` not set reads `default (100)` (a weight has no maximum), `oom_group`
+not set reads `default (on ...)` (cgroup v2 memory kills a turn whole on OOM), and a limit this host's
+layout cannot set at all (memory_high or oom_group on a hybrid host's v1 memory, say) reads
+`unsupported here` with the reason; JSON adds `unsupported` ({field: why}).
 """
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ ROOT, TASK, TURN = "root", "task", "turn"
 # The order `limits` prints the fields in, with the formatter of each value.
 _LIMIT_ROWS = (("memory_max", "size"), ("memory_high", "size"), ("swap_max", "size"), ("pids_max", "plain"),
                ("cpus", "plain"), ("cpu_weight", "plain"), ("oom_group", "plain"))
+# What a limit not set means, where it is not "max" (no limit of its own).
+_UNSET = {"cpu_weight": "default (100)", "oom_group": "default (on: an OOM kill takes the whole turn)"}
 _USAGE_ROWS = (("oom_kills", "plain"), ("pids_max_hits", "plain"), ("memory_peak_bytes", "size"),
                ("cpu_seconds", "seconds"), ("cpu_throttled_seconds", "seconds"))
 
@@ -59,7 +67,16 @@ def apply(manager, task: str | None, turn: str | None, changes) -> dict:
         if changes is not None:
             manager.set_limits(changes)
         level, limits, usage = ROOT, manager.limits(), manager.usage()
-    return {"level": level, "task": task, "turn": turn, "limits": limits.to_json(), "usage": usage.to_json()}
+    return {"level": level, "task": task, "turn": turn, "limits": limits.to_json(), "usage": usage.to_json(),
+            "unsupported": _unsupported(manager.limits_report())}
+
+
+def _unsupported(report: dict) -> dict[str, str]:
+    """{field: why} of the limits this managed root cannot have (all of them without a layout)."""
+    if report.get("layout") is None:
+        why = "; ".join(report.get("problems") or ()) or "no controllers for limits here"
+        return {name: why for name, _ in _LIMIT_ROWS}
+    return dict(report.get("unsupported") or {})
 
 
 def format_report(data: dict) -> str:
@@ -71,19 +88,24 @@ def format_report(data: dict) -> str:
     else:
         title = "the managed root (all turns together)"
     lines = [f"limits of {title}:"]
-    lines += _rows(data["limits"], _LIMIT_ROWS, unset="max")
+    limits = dict(data["limits"])
+    unset = {name: _UNSET.get(name, "max") for name, _ in _LIMIT_ROWS}
+    for name, why in (data.get("unsupported") or {}).items():
+        if limits.get(name) is None and name in unset:
+            unset[name] = f"{'off, ' if name == 'oom_group' else ''}unsupported here ({why})"
+    lines += _rows(limits, _LIMIT_ROWS, unset=unset)
     lines.append("usage:")
-    lines += _rows(data["usage"], _USAGE_ROWS, unset="-")
+    lines += _rows(data["usage"], _USAGE_ROWS, unset={name: "-" for name, _ in _USAGE_ROWS})
     return "\n".join(lines)
 
 
-def _rows(values: dict, rows, unset: str) -> list[str]:
+def _rows(values: dict, rows, unset: dict[str, str]) -> list[str]:
     width = max(len(name) for name, _ in rows)
     out = []
     for name, kind in rows:
         value = values.get(name)
         if value is None:
-            shown = unset if name != "oom_group" else "default"
+            shown = unset[name]
         elif kind == "size":
             shown = common.format_size(value)
         elif kind == "seconds":

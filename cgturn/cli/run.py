@@ -56,7 +56,8 @@ def register(sub) -> None:
     p.add_argument("--admit-timeout", type=common.non_negative_seconds,
                    help="wait up to S seconds while the pressure guard reports pressure (then exit 125)")
     p.add_argument("--keep-for", type=common.non_negative_seconds, metavar="S",
-                   help="when CMD exits, what it left running may live S more seconds (a lease)")
+                   help="when CMD exits, what it left running may live S more seconds (a lease, enforced by "
+                        "run's sentinel, which stays after run exits; without one, by `cgturn reap`)")
     p.add_argument("--key", type=_key, metavar="K",
                    help="one instance per key in the task: exit 125 while a process spawned with K runs")
     p.add_argument("--seal", action="store_true",
