@@ -21,7 +21,6 @@ would give them new names, so a reader reads any version's lines by the rules of
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import math
@@ -41,6 +40,8 @@ LIMIT = "limit"
 # Rotated generations kept beside the log: audit.jsonl.1 (newest) .. audit.jsonl.KEEP (oldest).
 KEEP = 3
 MAX_BYTES_ENV = "CGTURN_AUDIT_MAX_BYTES"
+CLAIM_SUFFIX = ".rotating"   # the rotating writer's claim, beside the log
+CLAIM_STALE = 10.0           # seconds after which a claim is a dead writer's
 DEFAULT_MAX_BYTES = 64 << 20
 
 
@@ -141,18 +142,26 @@ def _ends_a_line(fd: int) -> bool:
 def _rotate_if_full(fd: int, path: str) -> None:
     """Rename the log at `path` (open as `fd`) to generation 1 when it has reached `max_bytes()`.
 
-    Best effort and never blocking: the kill that wrote the record is done. One writer rotates: the
-    one that takes the file's flock (LOCK_NB: a writer that cannot take it at once, because another is
-    rotating or anyone else holds it, leaves rotation to a later record) and still finds its file at
-    `path` (a writer that lost the race finds the new file there, or none).
+    Best effort and never blocking: the kill that wrote the record is done. One writer rotates at a
+    time: the one that creates the claim file `<log>.rotating` (O_EXCL) and still finds its file at
+    `path` (a writer that lost the race finds the new log there, or none). A claim older than
+    CLAIM_STALE seconds was left by a writer that died mid-rotation (a rotation takes milliseconds):
+    it is removed, and a later record rotates.
     """
     limit = max_bytes()
     st = os.fstat(fd)
     if limit == 0 or st.st_size < limit:
         return
+    claim = path + CLAIM_SUFFIX
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+        os.close(os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+    except FileExistsError:
+        with contextlib.suppress(OSError):
+            if time.time() - os.lstat(claim).st_mtime > CLAIM_STALE:
+                os.unlink(claim)
+        return
+    except OSError as err:
+        log.warning("cannot rotate %s: %s", path, err.strerror or err)
         return
     try:
         if os.stat(path).st_ino != st.st_ino:
@@ -164,7 +173,8 @@ def _rotate_if_full(fd: int, path: str) -> None:
     except OSError as err:
         log.warning("cannot rotate %s: %s", path, err.strerror or err)
     finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        with contextlib.suppress(OSError):
+            os.unlink(claim)
 
 
 def open_log(path: str) -> int:
