@@ -150,3 +150,99 @@ def test_max_descendants_reached_refuses_new_turns_clearly_and_kills_still_work(
     after.spawn(["/bin/true"]).wait()
     assert after.complete() is not None
     assert not any(alive(p) for p in pids)
+
+
+def test_the_sentinel_sigkilled_repeatedly_during_churn_kills_nothing_and_leaks_nothing(cgroup2_root, state_dir):
+    from cgturn import Supervisor, TurnManager, attach_sentinel, audit
+
+    mgr = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, sentinel=True)
+    try:
+        keep = mgr.begin_turn("keep", "keep")
+        keep.spawn(["sh", "-c", "sleep 300 & exit 0"]).wait()
+        assert wait_until(lambda: len(keep.pids()) == 1)
+        survivor = keep.pids()[0]
+        keep.complete()
+        killed_sentinels: list[int] = []
+        outcomes = []
+        for i in range(60):
+            if i % 5 == 0:   # by its recorded pid: the sentinel this manager's client started
+                client = attach_sentinel(mgr)
+                assert client is not None
+                os.kill(client.pid, signal.SIGKILL)
+                killed_sentinels.append(client.pid)
+            turn = mgr.begin_turn("churn")
+            outcomes.append(Supervisor(turn, timeout=60, deadline=60, grace=0).run_blocking(
+                lambda: turn.spawn(["sh", "-c", "exit 0"]).wait()))
+        assert all(o.completed for o in outcomes), [o for o in outcomes if not o.completed][:3]
+        assert audit.read_records(state_dir) == []          # no kill at all: nothing wrong killed
+        assert alive(survivor)
+        assert not any(alive(p) for p in killed_sentinels)
+        assert {info.turn for info in mgr.turns() if info.pids} == {"keep"}   # no leak
+        # The fault lifted: a sentinel runs again and a supervised turn's deadline kills it on time.
+        client = attach_sentinel(mgr)
+        assert client is not None and client.pid not in killed_sentinels and alive(client.pid)
+        turn = mgr.begin_turn("after")
+        proc = turn.spawn(["sh", "-c", "sleep 300 & exec sleep 300"])
+        assert wait_until(lambda: len(turn.pids()) == 2)
+        pids = turn.pids()
+        outcome = Supervisor(turn, deadline=0.5, grace=0).run_blocking(proc.wait)
+        assert outcome.reason == "deadline" and all_dead(pids)
+    finally:
+        mgr.close()
+
+
+OWNER = """
+import json, sys
+from cgturn import TurnManager
+root, state_dir = sys.argv[1], sys.argv[2]
+mgr = TurnManager(root=root, backend="cgroup2", state_dir=state_dir, sentinel=False)
+turn = mgr.begin_turn("owner", "victim")
+quiet = dict(stdin=-3, stdout=-3, stderr=-3)
+turn.spawn(["sh", "-c", "trap '' TERM; sleep 300 & exec sleep 300"], **quiet)
+while len(turn.pids()) < 2:
+    pass
+print(json.dumps(sorted(turn.pids())), flush=True)
+result = turn.abandon("owner", grace=3)   # SIGTERM is ignored: the grace runs out, then SIGKILL
+print(json.dumps({"killed": result.killed, "skipped": result.skipped, "signals": result.signals}), flush=True)
+mgr.close()
+"""
+
+
+def test_sigstop_of_the_owner_mid_abandon_kills_nothing_wrong_and_the_kill_finishes(cgroup2_manager, cgroup2_root,
+                                                                                     state_dir):
+    from conftest import cli
+
+    keep = cgroup2_manager.begin_turn("keep", "keep")
+    keep.spawn(["sh", "-c", "sleep 300 & exit 0"]).wait()
+    assert wait_until(lambda: len(keep.pids()) == 1)
+    survivor = keep.pids()[0]
+    keep.complete()
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, cgroup2_root, state_dir], stdout=subprocess.PIPE,
+                             text=True, env=cgturn_env())
+    try:
+        pids = json.loads(owner.stdout.readline())
+        assert wait_until(lambda: [i.state for i in cgroup2_manager.turns("owner")] == ["abandoned"], timeout=30)
+        owner.send_signal(signal.SIGSTOP)   # mid-abandon: in its grace, SIGTERM sent, SIGKILL not yet
+        # Another process meanwhile: stop and reap answer at once and kill nothing wrong.
+        stop = cli(cgroup2_root, state_dir, "stop", "owner", "victim", "--grace", "0")
+        one_clear_line(stop.stderr.strip() or None)
+        assert stop.returncode in (0, 1), stop.stderr
+        reap = cli(cgroup2_root, state_dir, "reap")
+        assert reap.returncode == 0, reap.stderr
+        assert alive(survivor)
+        owner.send_signal(signal.SIGCONT)
+        result = json.loads(owner.stdout.readline())
+        assert owner.wait(timeout=60) == 0
+        assert all_dead(pids)
+        # One kill, recorded once, whoever finished it; the turn is gone; the survivor lives.
+        from cgturn import audit
+        kills = [r for r in audit.read_records(state_dir) if r.get("turn") == "victim"]
+        assert len(kills) == 1, kills
+        assert cgroup2_manager.turns("owner") == []
+        assert alive(survivor)
+        assert result["skipped"] or sorted(result["killed"]) == pids
+    finally:
+        if owner.poll() is None:
+            owner.send_signal(signal.SIGCONT)
+            owner.kill()
+            owner.wait()
