@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, alive, cgturn_env, destroy_registry, kill_scope, need_cgroup2, wait_until
+from conftest import REPO, alive, cgturn_env, kill_scope, need_cgroup2, wait_until
 
 GATEWAY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_gateway.py")
 
