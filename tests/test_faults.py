@@ -1,8 +1,9 @@
 """Faults injected on the real kernel, each made by the test on what it created: the state directory on
 a full filesystem and read-only (a tmpfs mounted on the test's own state directory inside a child's
 private mount namespace: root's DAC override makes chmod useless, and nothing is mounted over the real
-/run/cgturn), EMFILE in the gateway (a child gateway with a low RLIMIT_NOFILE), and
-`cgroup.max.descendants` reached on a managed root the test made.
+/run/cgturn), EMFILE in the gateway (a child gateway with a low RLIMIT_NOFILE),
+`cgroup.max.descendants` reached on a managed root the test made, the sentinel SIGKILLed by its
+recorded pid again and again during churn, and the owner SIGSTOPped in the middle of its abandon.
 
 For each: no wrong kill (a completed turn's survivor lives), no leak (every process of an abandoned
 turn dies, every cgroup is removed or listed), a clear error where the operation cannot be done, and
