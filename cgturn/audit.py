@@ -4,6 +4,13 @@ and the one parser of its lines (the metrics exporter reads the log through it).
 Each record goes to the `cgturn.audit` logger and is appended to `<state_dir>/audit.jsonl` with a
 single O_APPEND write, so concurrent writers never interleave within a line.
 
+Rotation is cgturn's own, by size: the writer whose record takes the log past `max_bytes()`
+(`CGTURN_AUDIT_MAX_BYTES`, default 64 MiB; 0 never rotates) renames it to `audit.jsonl.1` (shifting
+`.1`.. up to KEEP generations, the oldest dropped) and the next record starts a new file. Renaming,
+never copying and truncating, is what lets a reader that tracks the file's inode (the metrics
+exporter's AuditTail) finish the old file from where it stopped and never count a record twice or lose
+one; logrotate's `copytruncate` loses the records written between its copy and its truncate.
+
 Format: one JSON object per line with `v` (the format version, FORMAT), `time`, `action` (`kill`
 when absent: the first records had none), `task`, `turn`, `reason`, `backend`, `by_pid`, and per
 action: `pids`, `signals`, `duration_ms` (and `usage`) for a kill, `count` and `limit` for a limit
@@ -13,6 +20,7 @@ would give them new names, so a reader reads any version's lines by the rules of
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -29,10 +37,37 @@ FORMAT = 1
 FORMAT_FIELD = "v"
 KILL = "kill"
 LIMIT = "limit"
+# Rotated generations kept beside the log: audit.jsonl.1 (newest) .. audit.jsonl.KEEP (oldest).
+KEEP = 3
+MAX_BYTES_ENV = "CGTURN_AUDIT_MAX_BYTES"
+CLAIM_SUFFIX = ".rotating"   # the rotating writer's claim, beside the log
+CLAIM_STALE = 10.0           # seconds after which a claim is a dead writer's
+DEFAULT_MAX_BYTES = 64 << 20
 
 
 def audit_path(state_dir: str) -> str:
     return os.path.join(state_dir, AUDIT_FILE)
+
+
+def rotated_path(path: str, generation: int) -> str:
+    """Where generation `generation` (1 = the newest) of the log at `path` is kept after rotation."""
+    return f"{path}.{generation}"
+
+
+def max_bytes() -> int:
+    """The size past which a writer rotates the log: `CGTURN_AUDIT_MAX_BYTES` (bytes; 0 never
+    rotates), DEFAULT_MAX_BYTES when unset or not a whole number (logged)."""
+    raw = os.environ.get(MAX_BYTES_ENV, "")
+    if not raw:
+        return DEFAULT_MAX_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        log.warning("%s=%r is not a whole number of bytes: rotating at %d", MAX_BYTES_ENV, raw, DEFAULT_MAX_BYTES)
+        return DEFAULT_MAX_BYTES
+    return value
 
 
 def record_kill(state_dir: str, *, task: str, turn: str, reason: str, pids: list[int],
@@ -84,14 +119,62 @@ def _append(state_dir: str, entry: dict) -> None:
     path = audit_path(state_dir)
     try:
         os.makedirs(state_dir, exist_ok=True)
-        fd = statefiles.open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        fd = statefiles.open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
         try:
             # backslashreplace turns a lone surrogate into the JSON escape \udcff: still one valid line.
-            os.write(fd, (line + "\n").encode("utf-8", "backslashreplace"))
+            data = (line + "\n").encode("utf-8", "backslashreplace")
+            if not _ends_a_line(fd):
+                data = b"\n" + data  # a short write (a full disk) left half a line: never glue onto it
+            os.write(fd, data)
+            _rotate_if_full(fd, path)
         finally:
             os.close(fd)
     except OSError as err:
         log.warning("cannot append to %s: %s", path, err.strerror or err)
+
+
+def _ends_a_line(fd: int) -> bool:
+    """Whether the log is empty or ends with a newline (every whole write leaves it so)."""
+    size = os.fstat(fd).st_size
+    return size == 0 or os.pread(fd, 1, size - 1) == b"\n"
+
+
+def _rotate_if_full(fd: int, path: str) -> None:
+    """Rename the log at `path` (open as `fd`) to generation 1 when it has reached `max_bytes()`.
+
+    Best effort and never blocking: the kill that wrote the record is done. One writer rotates at a
+    time: the one that creates the claim file `<log>.rotating` (O_EXCL) and still finds its file at
+    `path` (a writer that lost the race finds the new log there, or none). A claim older than
+    CLAIM_STALE seconds was left by a writer that died mid-rotation (a rotation takes milliseconds):
+    it is removed, and a later record rotates.
+    """
+    limit = max_bytes()
+    st = os.fstat(fd)
+    if limit == 0 or st.st_size < limit:
+        return
+    claim = path + CLAIM_SUFFIX
+    try:
+        os.close(os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+    except FileExistsError:
+        with contextlib.suppress(OSError):
+            if time.time() - os.lstat(claim).st_mtime > CLAIM_STALE:
+                os.unlink(claim)
+        return
+    except OSError as err:
+        log.warning("cannot rotate %s: %s", path, err.strerror or err)
+        return
+    try:
+        if os.stat(path).st_ino != st.st_ino:
+            return
+        for generation in range(KEEP - 1, 0, -1):
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(rotated_path(path, generation), rotated_path(path, generation + 1))
+        os.rename(path, rotated_path(path, 1))
+    except OSError as err:
+        log.warning("cannot rotate %s: %s", path, err.strerror or err)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(claim)
 
 
 def open_log(path: str) -> int:
@@ -106,21 +189,25 @@ def open_log(path: str) -> int:
 
 
 def read_records(state_dir: str) -> list[dict]:
-    """Every record of the audit log that `parse_line` accepts, oldest first.
+    """Every record of the audit log and its rotated generations that `parse_line` accepts, oldest
+    first.
 
     Returns:
-        The records as written; [] when there is no log, or when it is not a regular file (logged).
+        The records as written; [] when there is no log; a file that is not a regular file is
+        skipped (logged).
     """
     path = audit_path(state_dir)
-    try:
-        fd = open_log(path)
-    except FileNotFoundError:
-        return []
-    except OSError as err:
-        log.warning("cannot read %s: %s", path, err.strerror or err)
-        return []
-    with open(fd, encoding="utf-8", errors="replace") as f:
-        lines = f.readlines()
+    lines: list[str] = []
+    for name in [rotated_path(path, g) for g in range(KEEP, 0, -1)] + [path]:
+        try:
+            fd = open_log(name)
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            log.warning("cannot read %s: %s", name, err.strerror or err)
+            continue
+        with open(fd, encoding="utf-8", errors="replace") as f:
+            lines.extend(f.readlines())
     return [record for record in map(parse_line, lines) if record is not None]
 
 

@@ -4,7 +4,9 @@ and kills, limit events and guard actions from the audit log.
 Kill counters, the abandon-latency histogram, limit events and guard actions are derived from
 `<state_dir>/audit.jsonl`, not from this process's own actions, so what any process did (owner,
 sentinel, CLI) counts. The log is read incrementally; counters only ever grow within one exporter's
-life (a rotated or truncated log is read from its start and added on), as Prometheus counters must.
+life, as Prometheus counters must: when cgturn rotates the log (cgturn.audit renames it), the renamed
+file is read to its end first and the new one from its start, so no record is lost or counted twice;
+a log truncated in place is read from its start and added on.
 
 Read-only: collecting never recovers, kills or moves anything.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Callable, Iterable
+from typing import BinaryIO, Callable, Iterable
 
 import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -27,6 +29,8 @@ from .model import RUNNING, STATES, TurnInfo
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Longest audit line read (bytes): a record of 100,000 pids is ~0.8 MB; ids and reasons are bounded.
 MAX_LINE = 4 * 1024 * 1024
+# Leading bytes of an audit file that, with its inode, identify it across rotations.
+IDENTITY_BYTES = 128
 # Limit events (`action: limit` records) by reason; both series exist from the start.
 LIMIT_REASONS = ("oom", "pids-max")
 # The pressure guard's actions: its `freeze`/`thaw` records carry reason "guard" (a user's pause says
@@ -62,7 +66,8 @@ class AuditTail:
         self.limit_events: dict[str, int] = dict.fromkeys(LIMIT_REASONS, 0)
         self.guard_actions: dict[str, int] = dict.fromkeys(GUARD_ACTIONS, 0)
         self.malformed = 0
-        self._inode: int | None = None
+        self._file: tuple[int, bytes] | None = None   # the file read so far (`_identity`), up to _offset
+        self._done: set[tuple[int, bytes]] = set()    # rotated generations read to their end
         self._offset = 0
         self._partial = b""
         self._skipping = False   # inside a line already counted as too long
@@ -81,6 +86,8 @@ class AuditTail:
             for line in lines:
                 if self._skipping:
                     self._skipping = False  # the end of an over-long line
+                elif not line:
+                    continue  # the newline a writer puts after half a line a full disk left
                 elif len(line) > MAX_LINE:
                     self.malformed += 1
                 else:
@@ -91,11 +98,18 @@ class AuditTail:
                 self._partial, self._skipping = b"", True
 
     def _read_new(self) -> bytes | None:
-        """The bytes appended since the last call (at most what the file held at fstat), or None."""
+        """The bytes appended since the last call (at most what each file held at fstat), or None.
+
+        The files are read oldest first: the rotated generations (cgturn.audit renames the log, never
+        truncates it), then the log. The file read so far is known by `_identity`: once it is found
+        rotated, its rest is read and it is done; files this tail never saw are read whole; files
+        already done are skipped. So no record is lost or counted twice across rotations (unless more
+        than KEEP rotations happen between two calls: the dropped generations are lost).
+        """
         try:
-            fd = audit.open_log(self.path)
+            current = audit.open_log(self.path)
         except FileNotFoundError:
-            return None
+            current = None   # rotated away by the last record: only generations to read
         except OSError as err:
             reason = f"cannot read {self.path}: {err.strerror or err}"
             if reason != self._refused:
@@ -103,13 +117,48 @@ class AuditTail:
                 self._refused = reason
             return None
         self._refused = None
-        with open(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if st.st_ino != self._inode or st.st_size < self._offset:
-                # A new or truncated log: its records are new kills, read it from the start.
-                self._inode, self._offset, self._partial, self._skipping = st.st_ino, 0, b"", False
-            f.seek(self._offset)
-            data = f.read(st.st_size - self._offset)
+        chunks: list[bytes] = []
+        seen: set[tuple[int, bytes]] = set()
+        for generation in range(audit.KEEP, 0, -1):
+            try:
+                fd = audit.open_log(audit.rotated_path(self.path, generation))
+            except OSError:
+                continue
+            with open(fd, "rb") as f:
+                st, key = os.fstat(f.fileno()), _identity(f)
+                seen.add(key)
+                if any(_same(key, done) for done in self._done):
+                    continue
+                reading = _same(key, self._file)
+                data = self._read_from(f, st) if reading else f.read(st.st_size)
+            if reading:
+                self._file, self._offset = None, 0
+            self._done.add(key)
+            # A rotated file is complete: a line it leaves unterminated ends there, not in the next file.
+            pending = self._partial if not chunks else chunks[-1]
+            chunks.append(data if data.endswith(b"\n") or not (pending + data) else data + b"\n")
+        self._done = {done for done in self._done if any(_same(key, done) for key in seen)}  # at most KEEP
+        if current is not None:
+            with open(current, "rb") as f:
+                st, key = os.fstat(f.fileno()), _identity(f)
+                if not _same(key, self._file):
+                    self._file, self._offset = key, 0   # a file this tail has not read
+                elif len(key[1]) > len(self._file[1]):  # type: ignore[index]
+                    self._file = key   # grown: a longer head tells it apart better
+                elif st.st_size < self._offset:
+                    # Truncated in place (logrotate's copytruncate): what was written past our offset
+                    # before the truncate is lost to us; read what is there from the start.
+                    self._offset, self._partial, self._skipping = 0, b"", False
+                chunks.append(self._read_from(f, st))
+        elif self._file is not None and not any(_same(key, self._file) for key in seen):
+            self._file, self._offset = None, 0   # the file read so far is gone: its half line with it
+            self._partial, self._skipping = b"", False
+        return b"".join(chunks)
+
+    def _read_from(self, f: BinaryIO, st: os.stat_result) -> bytes:
+        """The bytes of the file read so far, from this tail's offset to its size at fstat."""
+        f.seek(self._offset)
+        data = f.read(max(0, st.st_size - self._offset))
         self._offset += len(data)
         return data
 
@@ -145,6 +194,19 @@ class AuditTail:
             total += count
             out.append((bound, total))
         return out
+
+
+def _identity(f: BinaryIO) -> tuple[int, bytes]:
+    """What tells one audit file from another: its inode and first bytes (fewer while it is short).
+    Not the inode alone: a filesystem reuses a dropped generation's inode for the next log at once
+    (tmpfs does), while the first record of an append-only file never changes and carries its time
+    to the microsecond."""
+    return os.fstat(f.fileno()).st_ino, os.pread(f.fileno(), IDENTITY_BYTES, 0)
+
+
+def _same(key: tuple[int, bytes], known: tuple[int, bytes] | None) -> bool:
+    """Whether the file `key` is the file `known` was taken from (which may have grown since)."""
+    return known is not None and key[0] == known[0] and key[1].startswith(known[1])
 
 
 class TurnCollector:
