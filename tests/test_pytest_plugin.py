@@ -18,6 +18,7 @@ from conftest import PY, alive, wait_until
 LEAK_RE = re.compile(r"^\s*(\S.*?): pid (\d+): (.*)$")
 
 # A test that leaves a daemon behind: `setsid -f` forks it away from pytest's process tree.
+SETTLE = 3.0
 LEAKY = textwrap.dedent(r"""
     import os, subprocess, sys, time, pytest
 
@@ -62,8 +63,10 @@ def inner(cgroup2_root, tmp_path):
         work.mkdir(exist_ok=True)
         for name, text in files.items():
             (work / name).write_text(text)
+        # The settle time must cover a process that takes 0.3 s to stop on SIGTERM even on a loaded
+        # host (1.0 s did not, on Python 3.13 in CI at load ~20); leaks wait it out once per scope.
         proc = subprocess.run([PY, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA",
-                               "-o", "cgturn_settle=1.0", "--rootdir", str(work), *args],
+                               "-o", f"cgturn_settle={SETTLE}", "--rootdir", str(work), *args],
                               cwd=work, env={**env, **(extra_env or {})}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, timeout=120)
         return proc.returncode, proc.stdout
