@@ -380,3 +380,26 @@ def test_a_wait_on_a_lock_says_what_it_waited_for(tmp_path):
         assert dirlock.flock_within(fd, fcntl.LOCK_SH, 0.2)
     finally:
         os.close(fd)
+
+
+def test_a_timed_out_wait_leaves_one_thread_until_the_holder_lets_go_and_then_polls(tmp_path, monkeypatch):
+    """The helper thread of a wait that timed out is released with the holder's lock; past
+    MAX_STRANDED of them a wait polls instead of starting another thread."""
+    from cgturn.kernel import dirlock
+    from conftest import wait_until
+
+    with holder([str(tmp_path)], nobody=False) as got:
+        assert got == ["locked"]
+        before = threading.active_count()
+        with pytest.raises(LockTimeout):
+            with dirlock.exclusive(str(tmp_path), "first", timeout=0.1):
+                pass
+        assert dirlock._stranded == 1 and threading.active_count() == before + 1
+        monkeypatch.setattr(dirlock, "MAX_STRANDED", 1)
+        with pytest.raises(LockTimeout):
+            with dirlock.exclusive(str(tmp_path), "second", timeout=0.1):
+                pass
+        assert dirlock._stranded == 1 and threading.active_count() == before + 1  # it polled
+    assert wait_until(lambda: dirlock._stranded == 0 and threading.active_count() == before, timeout=10)
+    with dirlock.exclusive(str(tmp_path), "third", timeout=0.1) as present:
+        assert present
