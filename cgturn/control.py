@@ -254,8 +254,15 @@ class TurnControl:
 
     def check_limits(self, task_key: str, turn_key: str, usage: Usage | None = None,
                      rec: TurnRecord | None = None) -> list[dict[str, Any]]:
-        """Audit the turn's limit events not audited yet; the records written (cgturn.governance)."""
-        return self.governance.check_limits(task_key, turn_key, usage, rec)
+        """Audit the turn's limit events not audited yet; the records written (cgturn.governance).
+        While the turn's lock stays held (LockTimeout) none are written and a warning is logged: the
+        events stay unaudited until the next look (the kernel's counters only grow), and the caller
+        (`reap`, a turn's end) goes on."""
+        try:
+            return self.governance.check_limits(task_key, turn_key, usage, rec)
+        except LockTimeout as busy:
+            log.warning("limit events of turn %r of task %r not audited this time: %s", turn_key, task_key, busy)
+            return []
 
     def set_turn_limits(self, rec: TurnRecord, limits: Limits) -> TurnRecord:
         """Change the turn's own limits; the record after. Raises LimitsUnavailable, NoSuchTurn."""

@@ -403,3 +403,25 @@ def test_a_timed_out_wait_leaves_one_thread_until_the_holder_lets_go_and_then_po
     assert wait_until(lambda: dirlock._stranded == 0 and threading.active_count() == before, timeout=10)
     with dirlock.exclusive(str(tmp_path), "third", timeout=0.1) as present:
         assert present
+
+
+def test_limit_events_wait_for_the_turns_lock_and_reap_goes_on(cgroup2_manager):
+    """The audited counters live on the record: while its lock is held the events stay unaudited
+    (a warning, no error) and `reap` still runs; the next look audits them."""
+    from cgturn import Limits
+    from conftest import wait_until
+
+    mgr = cgroup2_manager
+    if "pids" not in mgr.limits_report()["available"]:
+        pytest.skip("needs a pids controller")
+    turn = mgr.begin_turn("task", "turn", limits=Limits(pids_max=3))
+    forks = turn.spawn(["sh", "-c", "for i in 1 2 3 4 5 6; do sleep 300 & done; wait"],
+                       stderr=subprocess.DEVNULL)
+    assert wait_until(lambda: turn.usage().pids_max_hits > 0, timeout=10)
+    with holder([turn_dir(mgr, turn)], nobody=False) as got:
+        assert got == ["locked"]
+        assert bounded(turn.check_limits) == {"value": []}
+        assert "error" not in bounded(mgr.recover)
+    assert [r["reason"] for r in turn.check_limits()] == ["pids-max"]
+    turn.abandon("test", grace=0)
+    forks.wait(timeout=10)
