@@ -12,7 +12,7 @@ import importlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__  # the one place it is written
 
 # public name -> module that defines it
 _EXPORTS = {

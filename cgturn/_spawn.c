@@ -12,14 +12,26 @@
  * Failures before or at exec are written to a CLOEXEC pipe as "OSError:<hex errno>:<stage>", the
  * format _posixsubprocess uses; an exec that succeeds closes the pipe, so the parent reads EOF.
  *
- * Why one file of ~710 lines: the child side (async-signal-safe, no Python) and the parent side (the
+ * spawn() reads as its steps: parse the arguments, convert them to the C arrays the child reads,
+ * clone (plain, or checked under the directory's lock), read the child's report, release what the
+ * call held.
+ *
+ * Why one file of ~860 lines: the child side (async-signal-safe, no Python) and the parent side (the
  * checked spawn's lock, record comparison and clone; the pools of stacks and directory fds kept between
  * spawns) share one struct and one calling convention, and the extension is one module to build.
+ *
+ * Built for the stable ABI (Py_LIMITED_API, 3.11): one wheel serves every CPython from 3.11 on
+ * (docs/install.md says why), so only functions of the limited API appear here, never the
+ * PyTuple_GET_ITEM-style macros. Its libc symbols are kept to old versions (raw system calls where
+ * glibc added a new one: raw_fcntl, thread_sigmask) so the wheel gets a low manylinux tag.
  *
  * Only x86_64 has the clone3 trampoline below (the child must call into C on its new stack, which a
  * libc syscall() wrapper cannot do); elsewhere this file does not build and cgturn uses its shim.
  */
 #define PY_SSIZE_T_CLEAN
+#ifndef Py_LIMITED_API
+#define Py_LIMITED_API 0x030B0000  /* the stable ABI of CPython 3.11+, as setup.py builds it */
+#endif
 #include <Python.h>
 
 #include <errno.h>
@@ -112,13 +124,23 @@ static void report(const struct child *c, int err, const char *stage)
     write_all(c->errpipe_write, buf, pos);
 }
 
+/* fcntl(2) as the raw system call, for the manylinux tag of the wheel: with _FILE_OFFSET_BITS=64
+ * (pyconfig.h sets it) glibc 2.28+ headers redirect fcntl to fcntl64@GLIBC_2.28, so the libc
+ * wrapper would make the extension need glibc 2.28. The commands used here (F_GETFD, F_SETFD,
+ * F_DUPFD_CLOEXEC) take an int and mean the same to every kernel cgturn runs on; syscall() is
+ * async-signal-safe (it only sets errno), so the child may call this too. */
+static int raw_fcntl(int fd, int cmd, int arg)
+{
+    return (int)syscall(SYS_fcntl, fd, cmd, arg);
+}
+
 static int set_inheritable(int fd)
 {
-    int flags = fcntl(fd, F_GETFD);
+    int flags = raw_fcntl(fd, F_GETFD, 0);
     if (flags < 0)
         return -1;
     if (flags & FD_CLOEXEC)
-        return fcntl(fd, F_SETFD, flags & ~FD_CLOEXEC);
+        return raw_fcntl(fd, F_SETFD, flags & ~FD_CLOEXEC);
     return 0;
 }
 
@@ -324,8 +346,8 @@ static int dir_pool_take(PyObject *path)
 {
     for (int i = dir_pool_len - 1; i >= 0; i--) {
         PyObject *p = dir_pool[i].path;
-        if (PyBytes_GET_SIZE(p) == PyBytes_GET_SIZE(path)
-            && memcmp(PyBytes_AS_STRING(p), PyBytes_AS_STRING(path), (size_t)PyBytes_GET_SIZE(p)) == 0) {
+        if (PyBytes_Size(p) == PyBytes_Size(path)
+            && memcmp(PyBytes_AsString(p), PyBytes_AsString(path), (size_t)PyBytes_Size(p)) == 0) {
             int fd = dir_pool[i].fd;
             Py_DECREF(p);
             memmove(&dir_pool[i], &dir_pool[i + 1], sizeof(dir_pool[0]) * (size_t)(dir_pool_len - i - 1));
@@ -349,14 +371,25 @@ static void dir_pool_give(PyObject *path, int fd)
     dir_pool_len++;
 }
 
+/* pthread_sigmask(3) as the raw rt_sigprocmask(2), for the manylinux tag of the wheel: glibc 2.32
+ * moved pthread_sigmask from libpthread into libc under a new symbol version (GLIBC_2.32), which the
+ * libc wrapper would make the extension need. The system call sets the calling thread's mask, as
+ * pthread_sigmask does; what glibc's wrapper adds is refusing to block its internal signals
+ * (SIGCANCEL, SIGSETXID), and glibc's sigfillset already leaves those out of the set blocked here.
+ * The kernel's sigset is _NSIG / 8 bytes (8 on x86_64), a prefix of glibc's sigset_t. */
+static void thread_sigmask(const sigset_t *set, sigset_t *old)
+{
+    syscall(SYS_rt_sigprocmask, SIG_SETMASK, set, old, (size_t)(_NSIG / 8));
+}
+
 /* The clone, every signal blocked across it (see the top of this file); the pid, or -errno. */
 static long clone_child(struct clone_args_v2 *cl, struct child *c)
 {
     sigset_t all;
     sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &c->mask);
+    thread_sigmask(&all, &c->mask);
     long pid = clone3_call(cl, child_main, c);
-    pthread_sigmask(SIG_SETMASK, &c->mask, NULL);
+    thread_sigmask(&c->mask, NULL);
     return pid;
 }
 
@@ -389,7 +422,7 @@ static int errpipe(int fds[2])
     for (int i = 0; i < 2; i++) {
         if (fds[i] >= 3)
             continue;
-        int moved = fcntl(fds[i], F_DUPFD_CLOEXEC, 3);
+        int moved = raw_fcntl(fds[i], F_DUPFD_CLOEXEC, 3);
         close(fds[i]);
         fds[i] = moved;
     }
@@ -438,23 +471,35 @@ static void give_stack(void *stack)
         munmap(stack, CHILD_STACK_SIZE);
 }
 
+/* `seq` as a new tuple; a TypeError saying `message` when it is not iterable (what
+ * PySequence_Fast does, which the stable ABI lacks the item macros for). */
+static PyObject *as_tuple(PyObject *seq, const char *message)
+{
+    PyObject *items = PySequence_Tuple(seq);
+    if (!items && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, message);
+    }
+    return items;
+}
+
 /* `seq` (str, bytes or path-like items) as a tuple of bytes, each converted with the filesystem
  * encoding as _posixsubprocess.fork_exec converts its args (ValueError for an embedded null byte). */
 static PyObject *fs_tuple(PyObject *seq)
 {
-    PyObject *fast = PySequence_Fast(seq, "expected a sequence");
-    if (!fast)
+    PyObject *items = as_tuple(seq, "expected a sequence");
+    if (!items)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_ssize_t n = PyTuple_Size(items);
     PyObject *out = PyTuple_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++) {
         PyObject *converted = NULL;
-        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(fast, i), &converted))
+        if (!PyUnicode_FSConverter(PyTuple_GetItem(items, i), &converted))
             Py_CLEAR(out);
         else
-            PyTuple_SET_ITEM(out, i, converted);
+            PyTuple_SetItem(out, i, converted);  /* steals the reference */
     }
-    Py_DECREF(fast);
+    Py_DECREF(items);
     return out;
 }
 
@@ -465,7 +510,7 @@ static char **bytes_array(PyObject *seq, PyObject **keep, int convert)
     PyObject *tuple = convert ? fs_tuple(seq) : PySequence_Tuple(seq);
     if (!tuple)
         return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(tuple);
+    Py_ssize_t n = PyTuple_Size(tuple);
     char **out = PyMem_Calloc((size_t)n + 1, sizeof(char *));
     if (!out) {
         Py_DECREF(tuple);
@@ -473,16 +518,16 @@ static char **bytes_array(PyObject *seq, PyObject **keep, int convert)
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyTuple_GET_ITEM(tuple, i);
+        PyObject *item = PyTuple_GetItem(tuple, i);
         if (!PyBytes_Check(item)) {
             PyErr_SetString(PyExc_TypeError, "expected a sequence of bytes");
             goto fail;
         }
-        if ((Py_ssize_t)strlen(PyBytes_AS_STRING(item)) != PyBytes_GET_SIZE(item)) {
+        if ((Py_ssize_t)strlen(PyBytes_AsString(item)) != PyBytes_Size(item)) {
             PyErr_SetString(PyExc_ValueError, "embedded null byte");
             goto fail;
         }
-        out[i] = PyBytes_AS_STRING(item);
+        out[i] = PyBytes_AsString(item);
     }
     *keep = tuple;
     return out;
@@ -522,26 +567,26 @@ static char **merged_env(char *const *base, char *const *extra, Py_ssize_t n_ext
 
 static int *int_array(PyObject *seq, Py_ssize_t *count)
 {
-    PyObject *fast = PySequence_Fast(seq, "expected a sequence of ints");
-    if (!fast)
+    PyObject *items = as_tuple(seq, "expected a sequence of ints");
+    if (!items)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_ssize_t n = PyTuple_Size(items);
     int *out = PyMem_Calloc((size_t)n + 1, sizeof(int));
     if (!out) {
-        Py_DECREF(fast);
+        Py_DECREF(items);
         PyErr_NoMemory();
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+        long v = PyLong_AsLong(PyTuple_GetItem(items, i));
         if (v == -1 && PyErr_Occurred()) {
             PyMem_Free(out);
-            Py_DECREF(fast);
+            Py_DECREF(items);
             return NULL;
         }
         out[i] = (int)v;
     }
-    Py_DECREF(fast);
+    Py_DECREF(items);
     *count = n;
     return out;
 }
@@ -563,141 +608,179 @@ PyDoc_STRVAR(spawn_doc,
 "pipe of this call's own and exits 255: then (pid, report); the caller reaps it.\n"
 "Raises OSError when the open, the lock or clone3 itself fails.");
 
-static PyObject *spawn(PyObject *self, PyObject *a)
+/* spawn()'s arguments as Python objects, before conversion (borrowed from the argument tuple). */
+struct request {
+    PyObject *args, *exec_list, *keep_seq, *cwd_obj, *env_obj, *extra_obj, *join_seq;
+    PyObject *path_arg;         /* the checked spawn's path as given (for the OSError's filename) */
+    int cgroup_fd;              /* -1: no fd given (a checked spawn, or no cgroup at all) */
+};
+
+/* What one spawn() call owns until it returns: every reference and buffer is released by
+ * release_held(), whichever step failed. */
+struct held {
+    PyObject *path_obj;         /* the checked spawn's path as bytes (the dir pool's key) */
+    PyObject *argv_t, *exec_t, *env_t, *extra_t;  /* the bytes objects the char* arrays point into */
+    char **argv, **execs, **envp, **extra, **merged;
+    int *keep, *join;
+    char *chk_buf;
+    int errfds[2];
+};
+
+/* Step 1, parse: the argument tuple into `rq`, `chk` (a checked spawn's target) and the plain ints
+ * of `c`. 0 with a Python error set on failure. */
+static int parse_request(PyObject *a, struct request *rq, struct checked *chk, struct child *c,
+                         struct held *h)
 {
-    PyObject *args, *exec_list, *keep_seq, *cwd_obj, *env_obj, *extra_obj, *cgroup_obj, *join_seq;
-    int close_fds, restore_signals, start_new_session, cgroup_fd = -1;
-    struct checked chk = {0};
-    PyObject *path_arg = NULL, *path_obj = NULL;
-    int errfds[2] = {-1, -1};
-    struct child c;
-    memset(&c, 0, sizeof c);
-    if (!PyArg_ParseTuple(a, "OOpOOOOiiiiiippiiOO:spawn", &args, &exec_list, &close_fds, &keep_seq,
-                          &cwd_obj, &env_obj, &extra_obj, &c.p2cread, &c.p2cwrite, &c.c2pread, &c.c2pwrite,
-                          &c.errread, &c.errwrite, &restore_signals,
-                          &start_new_session, &c.process_group, &c.umask_value, &cgroup_obj, &join_seq))
-        return NULL;
+    PyObject *cgroup_obj, *expected;
+    if (!PyArg_ParseTuple(a, "OOpOOOOiiiiiippiiOO:spawn", &rq->args, &rq->exec_list, &c->close_fds,
+                          &rq->keep_seq, &rq->cwd_obj, &rq->env_obj, &rq->extra_obj, &c->p2cread,
+                          &c->p2cwrite, &c->c2pread, &c->c2pwrite, &c->errread, &c->errwrite,
+                          &c->restore_signals, &c->start_new_session, &c->process_group,
+                          &c->umask_value, &cgroup_obj, &rq->join_seq))
+        return 0;
+    rq->cgroup_fd = -1;
     if (PyTuple_Check(cgroup_obj)) {
-        if (!PyArg_ParseTuple(cgroup_obj, "Oyy#:cgroup", &path_arg, &chk.key, &chk.expected, &chk.expected_len)
-            || !PyUnicode_FSConverter(path_arg, &path_obj))
-            return NULL;
-        chk.path = PyBytes_AS_STRING(path_obj);
-    } else {
-        long fd = PyLong_AsLong(cgroup_obj);
-        if (fd == -1 && PyErr_Occurred())
-            return NULL;
-        cgroup_fd = fd >= 0 && fd <= INT_MAX ? (int)fd : -1;
+        /* No '#' format here or in Py_BuildValue below: the length's type depends on
+         * PY_SSIZE_T_CLEAN, which 3.13's headers no longer map to the _SizeT functions, so a build
+         * against them would call 3.12's int-length PyArg_ParseTuple (SystemError at run time). */
+        char *value;
+        if (!PyArg_ParseTuple(cgroup_obj, "OyO:cgroup", &rq->path_arg, &chk->key, &expected)
+            || PyBytes_AsStringAndSize(expected, &value, &chk->expected_len) != 0
+            || !PyUnicode_FSConverter(rq->path_arg, &h->path_obj))
+            return 0;
+        chk->expected = value;
+        chk->path = PyBytes_AsString(h->path_obj);
+        return 1;
     }
-    c.close_fds = close_fds;
-    c.restore_signals = restore_signals;
-    c.start_new_session = start_new_session;
+    long fd = PyLong_AsLong(cgroup_obj);
+    if (fd == -1 && PyErr_Occurred())
+        return 0;
+    rq->cgroup_fd = fd >= 0 && fd <= INT_MAX ? (int)fd : -1;
+    return 1;
+}
 
-    PyObject *keep_argv = NULL, *keep_exec = NULL, *keep_env = NULL, *keep_extra = NULL, *result = NULL;
-    char **argv = NULL, **execs = NULL, **envp = NULL, **extra = NULL, **merged = NULL;
-    int *keep = NULL, *join = NULL;
-    if (!(argv = bytes_array(args, &keep_argv, 1)) || !(execs = bytes_array(exec_list, &keep_exec, 0)))
-        goto done;
-    if (env_obj != Py_None && !(envp = bytes_array(env_obj, &keep_env, 0)))
-        goto done;
-    if (!(extra = bytes_array(extra_obj, &keep_extra, 0)))
-        goto done;
-    Py_ssize_t n_extra = PyTuple_GET_SIZE(keep_extra);
-    if (n_extra > 0 && !(merged = merged_env(envp ? envp : environ, extra, n_extra)))
-        goto done;
-    if (cwd_obj != Py_None && !PyBytes_Check(cwd_obj)) {
+/* Step 2, convert: the Python sequences into the C arrays the child reads (pointing into bytes
+ * objects `h` keeps alive), and the check's read buffer. 0 with a Python error set on failure. */
+static int convert_request(const struct request *rq, struct checked *chk, struct child *c,
+                           struct held *h)
+{
+    if (!(h->argv = bytes_array(rq->args, &h->argv_t, 1))
+        || !(h->execs = bytes_array(rq->exec_list, &h->exec_t, 0)))
+        return 0;
+    if (rq->env_obj != Py_None && !(h->envp = bytes_array(rq->env_obj, &h->env_t, 0)))
+        return 0;
+    if (!(h->extra = bytes_array(rq->extra_obj, &h->extra_t, 0)))
+        return 0;
+    Py_ssize_t n_extra = PyTuple_Size(h->extra_t);
+    if (n_extra > 0 && !(h->merged = merged_env(h->envp ? h->envp : environ, h->extra, n_extra)))
+        return 0;
+    if (rq->cwd_obj != Py_None && !PyBytes_Check(rq->cwd_obj)) {
         PyErr_SetString(PyExc_TypeError, "cwd must be bytes or None");
-        goto done;
+        return 0;
     }
-    if (!(keep = int_array(keep_seq, &c.n_keep)) || !(join = int_array(join_seq, &c.n_join)))
-        goto done;
-    c.argv = argv;
-    c.exec_list = execs;
-    c.envp = merged ? merged : envp;
-    c.cwd = cwd_obj == Py_None ? NULL : PyBytes_AS_STRING(cwd_obj);
-    c.keep = keep;
-    c.join = join;
-
-    if (chk.path && !(chk.buf = PyMem_Malloc((size_t)chk.expected_len + 1))) {
+    if (!(h->keep = int_array(rq->keep_seq, &c->n_keep)) || !(h->join = int_array(rq->join_seq, &c->n_join)))
+        return 0;
+    if (chk->path && !(chk->buf = h->chk_buf = PyMem_Malloc((size_t)chk->expected_len + 1))) {
         PyErr_NoMemory();
-        goto done;
+        return 0;
     }
-    if (errpipe(errfds) != 0) {
+    c->argv = h->argv;
+    c->exec_list = h->execs;
+    c->envp = h->merged ? h->merged : h->envp;
+    c->cwd = rq->cwd_obj == Py_None ? NULL : PyBytes_AsString(rq->cwd_obj);
+    c->keep = h->keep;
+    c->join = h->join;
+    if (errpipe(h->errfds) != 0) {
         PyErr_SetFromErrno(PyExc_OSError);
-        goto done;
+        return 0;
     }
-    c.errpipe_write = errfds[1];
-    keep_insert(keep, &c.n_keep, errfds[1]);
-    void *stack = take_stack();
-    if (!stack)
-        goto done;
-    struct clone_args_v2 cl;
-    memset(&cl, 0, sizeof cl);
-    cl.flags = CLONE_VM | CLONE_VFORK | (cgroup_fd >= 0 || chk.path ? CLONE_INTO_CGROUP : 0);
-    cl.exit_signal = SIGCHLD;
-    cl.stack = (uint64_t)(uintptr_t)stack;
-    cl.stack_size = CHILD_STACK_SIZE;
-    cl.cgroup = cgroup_fd >= 0 ? (uint64_t)cgroup_fd : 0;
+    c->errpipe_write = h->errfds[1];
+    keep_insert(h->keep, &c->n_keep, h->errfds[1]);  /* int_array left room for it */
+    return 1;
+}
 
-    long pid = 0;
-    int saved_errno = 0, changed = 0;
-    if (!chk.path) {
-        Py_BEGIN_ALLOW_THREADS
-        pid = clone_child(&cl, &c);
-        Py_END_ALLOW_THREADS
-        if (pid < 0)
-            saved_errno = (int)-pid;
-    }
-    /* A checked spawn: first with a directory fd kept from an earlier spawn into the same path; if
-     * that says "changed" or ENODEV, the directory may have been removed (and made again) since, so
-     * a fresh open decides. */
-    for (int fresh = 0; chk.path && fresh < 2; fresh++) {
+/* A Python error is set (returned by clone_checked instead of a pid or -errno). */
+#define PY_ERROR (-(long)INT_MAX - 2)
+
+/* Step 3b, clone for a checked spawn: first with a directory fd kept from an earlier spawn into the
+ * same path; if that says "changed" or ENODEV, the directory may have been removed (and made again)
+ * since, so a fresh open decides. The pid, CHANGED, -errno of the lock or clone, or PY_ERROR. */
+static long clone_checked(const struct request *rq, const struct checked *chk, PyObject *path_obj,
+                          struct clone_args_v2 *cl, struct child *c)
+{
+    long pid = CHANGED;
+    for (int fresh = 0; fresh < 2; fresh++) {
         int fd = fresh ? -1 : dir_pool_take(path_obj);
         int pooled = fd >= 0;
-        if (!pooled && (fd = open(chk.path, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
-            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path_arg);
-            goto done_stack;
+        if (!pooled && (fd = open(chk->path, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
+            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, rq->path_arg);
+            return PY_ERROR;
         }
         if (inflight_add(fd) != 0) {
             close(fd);
             PyErr_SetString(PyExc_RuntimeError, "too many checked spawns in flight");
-            goto done_stack;
+            return PY_ERROR;
         }
-        cl.cgroup = (uint64_t)fd;
+        cl->cgroup = (uint64_t)fd;
         Py_BEGIN_ALLOW_THREADS
-        pid = checked_clone(fd, &chk, &cl, &c);
+        pid = checked_clone(fd, chk, cl, c);
         Py_END_ALLOW_THREADS
         inflight_remove(fd);
-        changed = pid == CHANGED;
-        saved_errno = pid < 0 && !changed ? (int)-pid : 0;
-        if (pooled && (changed || saved_errno == ENODEV)) {
+        int changed = pid == CHANGED;
+        int failed = pid < 0 && !changed;
+        if (pooled && (changed || (failed && -pid == ENODEV))) {
             close(fd);
             continue;
         }
-        if (saved_errno)
+        if (failed)
             close(fd);
         else
             dir_pool_give(path_obj, fd);
         break;
     }
+    return pid;
+}
+
+/* Step 3, clone: on a pooled stack, into rq's cgroup fd, chk's checked directory, or no cgroup.
+ * The pid, CHANGED, -errno, or PY_ERROR. Closes the parent's copy of the report pipe's write end,
+ * so that reading the report ends at the child's exec or exit. */
+static long clone_request(const struct request *rq, const struct checked *chk, struct child *c,
+                          struct held *h)
+{
+    void *stack = take_stack();
+    if (!stack)
+        return PY_ERROR;
+    struct clone_args_v2 cl;
+    memset(&cl, 0, sizeof cl);
+    cl.flags = CLONE_VM | CLONE_VFORK | (rq->cgroup_fd >= 0 || chk->path ? CLONE_INTO_CGROUP : 0);
+    cl.exit_signal = SIGCHLD;
+    cl.stack = (uint64_t)(uintptr_t)stack;
+    cl.stack_size = CHILD_STACK_SIZE;
+    cl.cgroup = rq->cgroup_fd >= 0 ? (uint64_t)rq->cgroup_fd : 0;
+    long pid;
+    if (chk->path) {
+        pid = clone_checked(rq, chk, h->path_obj, &cl, c);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        pid = clone_child(&cl, c);
+        Py_END_ALLOW_THREADS
+    }
     give_stack(stack);
-    close(errfds[1]);
-    errfds[1] = -1;
-    if (saved_errno) {
-        errno = saved_errno;
-        PyErr_SetFromErrno(PyExc_OSError);
-        goto done;
-    }
-    if (changed) {
-        result = Py_NewRef(Py_None);
-        goto done;
-    }
-    /* CLONE_VFORK: the child has exec'd (its copy of the pipe closes with the exec) or reported and
-     * exited; EOF comes at once either way. */
+    close(h->errfds[1]);
+    h->errfds[1] = -1;
+    return pid;
+}
+
+/* Step 4, the result: the child's report, if it wrote one, from the pipe. CLONE_VFORK: the child
+ * has exec'd (its copy of the pipe closes with the exec) or reported and exited; EOF comes at once
+ * either way. */
+static PyObject *child_result(long pid, int errread_fd)
+{
     char report_buf[256];
     ssize_t got = 0, n;
     Py_BEGIN_ALLOW_THREADS
     while (got < (ssize_t)sizeof(report_buf)) {
-        n = read(errfds[0], report_buf + got, sizeof(report_buf) - (size_t)got);
+        n = read(errread_fd, report_buf + got, sizeof(report_buf) - (size_t)got);
         if (n < 0 && errno == EINTR)
             continue;
         if (n <= 0)
@@ -705,27 +788,57 @@ static PyObject *spawn(PyObject *self, PyObject *a)
         got += n;
     }
     Py_END_ALLOW_THREADS
-    result = got > 0 ? Py_BuildValue("(ly#)", pid, report_buf, (Py_ssize_t)got) : PyLong_FromLong(pid);
-    goto done;
-done_stack:
-    give_stack(stack);
-done:
+    if (got == 0)
+        return PyLong_FromLong(pid);
+    PyObject *report = PyBytes_FromStringAndSize(report_buf, got);
+    return report ? Py_BuildValue("(lN)", pid, report) : NULL;  /* N: the tuple takes the reference */
+}
+
+/* Step 5, clean up: whatever the steps before got, whichever of them failed. */
+static void release_held(struct held *h)
+{
     for (int i = 0; i < 2; i++)
-        if (errfds[i] >= 0)
-            close(errfds[i]);
-    PyMem_Free(chk.buf);
-    Py_XDECREF(path_obj);
-    PyMem_Free(argv);
-    PyMem_Free(execs);
-    PyMem_Free(envp);
-    PyMem_Free(extra);
-    PyMem_Free(merged);
-    PyMem_Free(keep);
-    PyMem_Free(join);
-    Py_XDECREF(keep_argv);
-    Py_XDECREF(keep_exec);
-    Py_XDECREF(keep_env);
-    Py_XDECREF(keep_extra);
+        if (h->errfds[i] >= 0)
+            close(h->errfds[i]);
+    PyMem_Free(h->chk_buf);
+    PyMem_Free(h->argv);
+    PyMem_Free(h->execs);
+    PyMem_Free(h->envp);
+    PyMem_Free(h->extra);
+    PyMem_Free(h->merged);
+    PyMem_Free(h->keep);
+    PyMem_Free(h->join);
+    Py_XDECREF(h->path_obj);
+    Py_XDECREF(h->argv_t);
+    Py_XDECREF(h->exec_t);
+    Py_XDECREF(h->env_t);
+    Py_XDECREF(h->extra_t);
+}
+
+static PyObject *spawn(PyObject *self, PyObject *a)
+{
+    struct request rq;
+    struct checked chk;
+    struct child c;
+    struct held h;
+    memset(&rq, 0, sizeof rq);
+    memset(&chk, 0, sizeof chk);
+    memset(&c, 0, sizeof c);
+    memset(&h, 0, sizeof h);
+    h.errfds[0] = h.errfds[1] = -1;
+    PyObject *result = NULL;
+    if (parse_request(a, &rq, &chk, &c, &h) && convert_request(&rq, &chk, &c, &h)) {
+        long pid = clone_request(&rq, &chk, &c, &h);
+        if (pid == CHANGED) {
+            result = Py_NewRef(Py_None);
+        } else if (pid < 0 && pid != PY_ERROR) {
+            errno = (int)-pid;
+            PyErr_SetFromErrno(PyExc_OSError);
+        } else if (pid > 0) {
+            result = child_result(pid, h.errfds[0]);
+        }
+    }
+    release_held(&h);
     return result;
 }
 

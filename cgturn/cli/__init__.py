@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 
+from .. import __version__
 from . import common, doctor, end, guard, limits, metrics, pause, ps, reap, run, stop, watch
 
 COMMANDS = [doctor, run, ps, limits, stop, pause, end, reap, watch, metrics, guard]
@@ -13,6 +14,7 @@ COMMANDS = [doctor, run, ps, limits, stop, pause, end, reap, watch, metrics, gua
 
 def build_parser() -> common.Parser:
     parser = common.Parser(prog="cgturn", description="cgroup-v2 backed process manager for turns.")
+    parser.add_argument("--version", action="version", version=f"cgturn {__version__}")
     common.add_global_options(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=common.Parser)
     sub.required = True

@@ -1,5 +1,6 @@
-"""`cgturn doctor`: what the host offers, which backend cgturn would use, and which resource limits it can
-set here (and through which cgroup layout), with reasons."""
+"""`cgturn doctor`: what the host offers, which backend cgturn would use, how it will spawn (the clone3
+extension, posix_spawn or the shim), and which resource limits it can set here (and through which cgroup
+layout), with reasons."""
 from __future__ import annotations
 
 from . import common
@@ -31,6 +32,7 @@ def run(args) -> int:
         kill = {True: "yes", False: "no (freeze + kill fallback)", None: "unknown until the first kill"}
         print(f"cgroup.kill:    {kill[data['cgroup_kill']]}")
         print(f"controllers:    {' '.join(data['controllers']) or '-'}")
+        print(f"spawn paths:    {' '.join(data['spawn_paths'])}")  # preferred first
         guard = data["guard"]
         print(f"pressure guard: {_guard_line(guard)}")
         for problem in data["problems"]:
