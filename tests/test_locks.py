@@ -314,9 +314,7 @@ def test_abandon_with_the_lock_free_reports_nothing_unrecorded(cgroup2_manager):
     assert proc.wait(timeout=10) == -9 and result.unrecorded is None
 
 
-@pytest.mark.parametrize("records", [
-    pytest.param("xattr", marks=pytest.mark.skip(reason="the extension's wait is bounded in a later commit")),
-    "file"])
+@pytest.mark.parametrize("records", ["xattr", "file"])
 def test_a_clone3_spawn_fails_within_its_bound_while_the_turns_lock_is_held(cgroup2_manager, monkeypatch, records):
     """The clone3 path's shared lock: taken in the extension (xattr records) or in Python (records in
     files); bounded both ways, and nothing is started."""

@@ -83,7 +83,7 @@ def spawn_if_unchanged(cgroup_dir: str, key: bytes, expected: bytes, v1_procs: l
     until the child has exec'd (all of it in the extension, without the GIL).
 
     Returns None, starting nothing, when the xattr differs (or is absent).
-    Raises: as `spawn_into`.
+    Raises: as `spawn_into` (LockTimeout: the extension waited 2 s for the shared lock).
     """
     target = (cgroup_dir, key, expected)
     try:
@@ -188,6 +188,9 @@ class CgroupPopen(subprocess.Popen):
         except OSError as err:
             if err.errno in UNSUPPORTED and err.filename is None:
                 raise CloneUnsupported(err.errno, f"clone3(CLONE_INTO_CGROUP): {err.strerror}") from None
+            if err.errno == errno.ETIMEDOUT and isinstance(self._cgroup, tuple):
+                # the extension's bounded wait for the checked spawn's shared lock (2 s, as dirlock's)
+                raise LockTimeout(self._cgroup[0], "spawn into the cgroup", dirlock.LOCK_WAIT) from None
             raise
         if started is None:
             raise _Changed()
