@@ -40,6 +40,7 @@
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 #include <pthread.h>
 #include <sys/file.h>
 #include <sys/mman.h>
@@ -394,18 +395,47 @@ static long clone_child(struct clone_args_v2 *cl, struct child *c)
 }
 
 #define CHANGED (-(long)INT_MAX - 1)
+/* The shared lock stayed held (exclusively) for all of LOCK_WAIT_NS: nothing started. */
+#define LOCK_TIMEOUT (-(long)INT_MAX - 3)
+/* How long a checked spawn waits for its shared lock: dirlock.LOCK_WAIT's 2 s, the bound of every
+ * lock wait in cgturn. An exclusive holder is a state change (microseconds), or a holder stopped or
+ * wedged, or a process of the same user (issue 22), which must not hold a spawn for ever. */
+#define LOCK_WAIT_NS 2000000000LL
+#define LOCK_POLL_NS 1000000L
+
+static long long monotonic_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* flock(LOCK_SH) on `fd` within LOCK_WAIT_NS: LOCK_NB polled every LOCK_POLL_NS (flock has no timed
+ * form; a shared request waits only while an exclusive lock is held, which is short). 0, -errno,
+ * or LOCK_TIMEOUT. */
+static long flock_shared_within(int fd)
+{
+    long long deadline = monotonic_ns() + LOCK_WAIT_NS;
+    struct timespec pause = {0, LOCK_POLL_NS};
+    for (;;) {
+        if (flock(fd, LOCK_SH | LOCK_NB) == 0)
+            return 0;
+        if (errno != EWOULDBLOCK && errno != EINTR)
+            return -errno;
+        if (monotonic_ns() >= deadline)
+            return LOCK_TIMEOUT;
+        nanosleep(&pause, NULL);
+    }
+}
 
 /* Under a shared flock on `fd`, clone into it if its xattr still holds chk->expected; the pid,
  * CHANGED (nothing started), or -errno. The lock is held until the child has exec'd (CLONE_VFORK)
  * and released before returning. No GIL: system calls only. */
 static long checked_clone(int fd, const struct checked *chk, struct clone_args_v2 *cl, struct child *c)
 {
-    int r;
-    do
-        r = flock(fd, LOCK_SH);
-    while (r != 0 && errno == EINTR);
+    long r = flock_shared_within(fd);
     if (r != 0)
-        return -errno;
+        return r;
     long pid = CHANGED;
     ssize_t n = fgetxattr(fd, chk->key, chk->buf, (size_t)chk->expected_len + 1);
     if (n == chk->expected_len && memcmp(chk->buf, chk->expected, (size_t)n) == 0)
@@ -604,6 +634,7 @@ PyDoc_STRVAR(spawn_doc,
 "cgroup is the fd of an open cgroup directory (-1: none), or (path, key, expected): then the\n"
 "directory is opened and locked (flock LOCK_SH, held until the child has exec'd) and the child is\n"
 "cloned only if its xattr key still holds exactly expected; None, starting nothing, if not.\n"
+"The lock is waited for at most 2 s: OSError ETIMEDOUT with the path, nothing started.\n"
 "A child that fails before or at exec reports 'OSError:<hex errno>:<stage>' through a CLOEXEC\n"
 "pipe of this call's own and exits 255: then (pid, report); the caller reaps it.\n"
 "Raises OSError when the open, the lock or clone3 itself fails.");
@@ -831,6 +862,9 @@ static PyObject *spawn(PyObject *self, PyObject *a)
         long pid = clone_request(&rq, &chk, &c, &h);
         if (pid == CHANGED) {
             result = Py_NewRef(Py_None);
+        } else if (pid == LOCK_TIMEOUT) {
+            errno = ETIMEDOUT;  /* kernel/spawn.py raises it as LockTimeout */
+            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, rq.path_arg);
         } else if (pid < 0 && pid != PY_ERROR) {
             errno = (int)-pid;
             PyErr_SetFromErrno(PyExc_OSError);

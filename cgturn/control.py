@@ -19,11 +19,12 @@ from typing import Any, Callable
 
 from . import freezing, ids, keys, killing, leases, reasons
 from .backends.base import Backend
-from .errors import AccessDenied, NoSuchProcess, NoSuchTurn, UnsafeOperation
+from .errors import AccessDenied, LockTimeout, NoSuchProcess, NoSuchTurn, UnsafeOperation
 from .events import Listeners, TurnEnded
 from .governance import Governance
 from .kernel import procfs
 from .limits import Limits, Usage
+from .logfields import turn_fields
 from .model import ABANDONED, COMPLETED, CORRUPT, RUNNING, AbandonResult, Argv, TurnRecord, TurnView
 
 log = logging.getLogger("cgturn")
@@ -134,7 +135,8 @@ class TurnControl:
                      when: Callable[[TurnRecord], bool] | None = None) -> AbandonResult:
         """Mark the turn at this directory abandoned (first transition wins) and kill it. `when(record)`,
         if given, must also hold under the turn's lock (the guard: "still frozen by me"; a lease: "still
-        run out").
+        run out"). When the lock stays held past its bound (LockTimeout), the turn is killed all the
+        same and the result's `unrecorded` says what its record lacks (_abandon_unmarked).
 
         Raises:
             UnsafeOperation: the turn holds the caller, one of its ancestors or PID 1.
@@ -143,16 +145,42 @@ class TurnControl:
         if rec is None:
             return AbandonResult(skipped=True, reason=reason)
         self.refuse_if_caller_inside(rec)
-        won, rec = self.backend.transition(
-            task_key, turn_key, _ABANDONABLE_FORCED if force else _ABANDONABLE, ABANDONED,
-            {"reason": reason, "ended_at": time.time(), "killer_pid": os.getpid(),
-             "killer_start": procfs.own_start_time()},
-            when=when)
+        allowed = _ABANDONABLE_FORCED if force else _ABANDONABLE
+        updates = {"reason": reason, "ended_at": time.time(), "killer_pid": os.getpid(),
+                   "killer_start": procfs.own_start_time()}
+        try:
+            won, rec = self.backend.transition(task_key, turn_key, allowed, ABANDONED, updates, when=when)
+        except LockTimeout as busy:
+            return self._abandon_unmarked(task_key, turn_key, reason, grace, allowed, updates, when, busy)
         if not won or rec is None:
             return AbandonResult(skipped=True, reason=(rec.reason if rec else None) or reason)
         result = killing.kill_turn(self.backend, rec, reason, grace, self.state_dir,
                                    before_removal=self.governance.audit_limits_quietly,
                                    limiter=self.governance.limiter)
+        self._ended(rec, result)
+        return result
+
+    def _abandon_unmarked(self, task_key: str, turn_key: str, reason: str, grace: float, allowed: frozenset[str],
+                          updates: dict[str, Any], when: Callable[[TurnRecord], bool] | None,
+                          busy: LockTimeout) -> AbandonResult:
+        """The abandon whose mark could not be made (the turn's lock stayed held: `busy`) still kills:
+        a kill path never waits on a lock. The record read without the lock decides, by the mark's
+        own rules, and the kill runs; then the mark is tried once more, in case the turn outlived
+        its kill. What was not written is the result's `unrecorded` (and an error in the log)."""
+        rec = self.backend.load(task_key, turn_key)
+        if rec is None or (when is not None and not when(rec)) or not rec.advance(allowed, ABANDONED, updates):
+            return AbandonResult(skipped=True, reason=(rec.reason if rec else None) or reason)
+        log.error("killing turn %r of task %r without marking it abandoned first: %s", rec.turn_id, rec.task_id,
+                  busy, extra=turn_fields(rec.task_id, rec.turn_id, reason))
+        result = killing.kill_turn(self.backend, rec, reason, grace, self.state_dir,
+                                   before_removal=self.governance.audit_limits_quietly,
+                                   limiter=self.governance.limiter)
+        result.unrecorded = f"turn {rec.turn_id!r} of task {rec.task_id!r} was not marked abandoned before its kill ({busy})"
+        if self.backend.load(task_key, turn_key) is not None:  # it outlived the kill: its record must say so
+            try:
+                self.backend.transition(task_key, turn_key, allowed, ABANDONED, updates, when=when)
+            except LockTimeout as still:
+                result.unrecorded += f"; it is still there and still not marked ({still.waited:g} s more)"
         self._ended(rec, result)
         return result
 
@@ -226,8 +254,15 @@ class TurnControl:
 
     def check_limits(self, task_key: str, turn_key: str, usage: Usage | None = None,
                      rec: TurnRecord | None = None) -> list[dict[str, Any]]:
-        """Audit the turn's limit events not audited yet; the records written (cgturn.governance)."""
-        return self.governance.check_limits(task_key, turn_key, usage, rec)
+        """Audit the turn's limit events not audited yet; the records written (cgturn.governance).
+        While the turn's lock stays held (LockTimeout) none are written and a warning is logged: the
+        events stay unaudited until the next look (the kernel's counters only grow), and the caller
+        (`reap`, a turn's end) goes on."""
+        try:
+            return self.governance.check_limits(task_key, turn_key, usage, rec)
+        except LockTimeout as busy:
+            log.warning("limit events of turn %r of task %r not audited this time: %s", turn_key, task_key, busy)
+            return []
 
     def set_turn_limits(self, rec: TurnRecord, limits: Limits) -> TurnRecord:
         """Change the turn's own limits; the record after. Raises LimitsUnavailable, NoSuchTurn."""

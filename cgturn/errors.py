@@ -89,6 +89,18 @@ class GuardUnavailable(CgturnError):
     or another live guard owns the managed root."""
 
 
+class LockTimeout(CgturnError):
+    """A lock that makes an operation exclusive stayed held by another process for longer than its
+    bound, so the operation was not done (a state change, a spawn, a guard's claim): a holder that is
+    stopped or wedged, or one of the gateway's own user (locks are closed to every other user). The
+    caller may retry. Carries `path` (what is locked), `what` (the operation) and `waited` (seconds)."""
+
+    def __init__(self, path: str, what: str, waited: float):
+        self.path, self.what, self.waited = path, what, waited
+        super().__init__(f"{what}: the lock on {path} stayed held by another process for {waited:g} s "
+                         f"(a holder that is stopped or wedged, or a process of the same user); nothing was done")
+
+
 class KernelError(CgturnError):
     """A cgroupfs or procfs operation failed in a way the caller cannot handle; carries path and data."""
 

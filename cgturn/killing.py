@@ -2,8 +2,9 @@
 
 SIGTERM (when there is a grace), wait up to `grace` for the turn to empty, SIGKILL the rest
 (cgroup.kill, or freeze + kill), wait event-driven until it is empty, remove it, write one audit
-record. The turn is already marked abandoned by the caller. A kill path finishes its kill whatever
-else fails: the audit log is written last and never raises.
+record. The turn is already marked abandoned by the caller (or could not be: its lock stayed held;
+control.TurnControl.abandon_turn). A kill path finishes its kill whatever else fails: a removal the
+registry's lock holds up is left to `reap`, and the audit log is written last and never raises.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 
 from . import audit
 from .backends.base import Backend
-from .errors import UnsafeOperation
+from .errors import LockTimeout, UnsafeOperation
 from .limits import Usage
 from .logfields import turn_fields
 from .model import AbandonResult, TurnRecord
@@ -74,8 +75,14 @@ def kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, stat
             empty = backend.wait_empty(rec, KILL_WAIT)
         if empty and usage is None:
             usage = _final_usage(backend, rec, before_removal)
-        if empty and backend.remove(rec):
-            break
+        if empty:
+            try:
+                if backend.remove(rec):
+                    break
+            except LockTimeout as busy:  # the registry's write lock: the turn is empty, only its row stays
+                log.error("turn %r of task %r is empty but could not be removed (reap removes it): %s", rec.turn_id,
+                          rec.task_id, busy, extra=turn_fields(rec.task_id, rec.turn_id, reason))
+                break
         empty = False  # something slipped in between the wait and the rmdir: go again
     else:
         log.error("turn %r of task %r still holds processes after %d kills", rec.turn_id, rec.task_id,

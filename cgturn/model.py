@@ -140,6 +140,9 @@ class AbandonResult:
     killed_by: int | None = None
     # Turns `end_task` had to leave alone, and why: [{"turn": original id, "error": one line}].
     refused: list[dict[str, str]] = field(default_factory=list)
+    # The record update this abandon could not make, in one line (its turn's lock stayed held by
+    # another process, so the turn was killed without being marked abandoned first); None normally.
+    unrecorded: str | None = None
 
 
 @dataclass(slots=True)

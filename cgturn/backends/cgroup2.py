@@ -20,7 +20,7 @@ import threading
 from typing import TYPE_CHECKING, Iterable
 
 from ..errors import AccessDenied, CgturnError, NoSuchTurn, TurnExists
-from ..kernel import procfs
+from ..kernel import dirlock, procfs
 from ..kernel.cgroupfs import Cgroup
 from ..limits import NO_LIMITS, Limits, Usage
 from ..model import COMPLETED, CORRUPT, RUNNING, TurnRecord, TurnView
@@ -42,8 +42,6 @@ if TYPE_CHECKING:
     from .spawn_options import SpawnTarget
 
 log = logging.getLogger("cgturn")
-# How long a state change waits for the turn's lock before going on without it (seconds).
-TRANSITION_LOCK_WAIT = 2.0
 SPAWN_TARGETS_MAX = 1024  # turns whose SpawnTarget a backend keeps
 
 
@@ -124,6 +122,10 @@ class Cgroup2Backend(Backend):
     def ensure_root(self) -> bool:
         created = self.root.create()
         if created or not self._layout_recorded:
+            if not created and not self.root.make_private():
+                log.warning("cannot make the managed root %s private (chmod go-rw refused): other users can "
+                            "take its lock and stall a guard's claim for %g s at a time", self.root.path,
+                            dirlock.LOCK_WAIT)
             self.layout.record()
             self._layout_recorded = True
         return created
@@ -158,6 +160,8 @@ class Cgroup2Backend(Backend):
             new_task = task.create()
             if new_task:
                 self.layout.enable_v2(task)
+            else:
+                task.make_private()  # made before task directories were private: its lock is ours alone now
             try:
                 cg.make()
             except FileNotFoundError:
@@ -213,9 +217,10 @@ class Cgroup2Backend(Backend):
 
     def transition(self, task_key, turn_key, allowed_from: Iterable[str], to_state, updates, when=None):
         cg = self.turn_cgroup(task_key, turn_key)
-        # Bounded: a spawner stopped while it holds the turn's shared lock (spawn_paths) must not
-        # stop an abandon, least of all the sentinel's, which exists for stopped owners.
-        with cg.lock(timeout=TRANSITION_LOCK_WAIT) as present:
+        # Bounded (LockTimeout, nothing changed): a spawner stopped while it holds the turn's shared
+        # lock (spawn_paths) must not stop an abandon, least of all the sentinel's, which exists for
+        # stopped owners; the abandon then kills without the mark (control.abandon_turn).
+        with cg.lock(f"change turn {turn_key!r} of task {task_key!r} to {to_state}") as present:
             if not present:
                 return False, None
             rec = self.meta.load(cg)
@@ -229,8 +234,9 @@ class Cgroup2Backend(Backend):
     @contextlib.contextmanager
     def task_lock(self, task_key):
         """flock(2) on the task's cgroup directory (each call opens its own fd, so threads exclude
-        each other too); the task exists while one of its turns does."""
-        with self.root.child(task_key).lock() as present:
+        each other too); the task exists while one of its turns does. Raises LockTimeout when
+        another process keeps it past dirlock.LOCK_WAIT."""
+        with self.root.child(task_key).lock(f"lock task {task_key!r}") as present:
             if not present:
                 raise NoSuchTurn(f"task directory {task_key!r} no longer exists")
             yield

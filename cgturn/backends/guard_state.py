@@ -5,7 +5,8 @@ fallback keeps it in `<state_dir>/guard.json`. The state names its owner (pid + 
 reused pid is never taken for a live guard): a state whose owner is gone is no guard at all.
 
 One guard per managed root: `claim` writes the caller's state only when no live guard owns the root,
-under the managed root's flock on cgroup v2 (two guards arming at once cannot both win). The registry
+under the managed root's flock on cgroup v2 (two guards arming at once cannot both win; a holder
+that keeps it past dirlock.LOCK_WAIT makes the claim fail, GuardUnavailable, rather than wait). The registry
 file is claimed without a lock (a narrow race between two guards started in the same instant;
 documented in docs/guard.md).
 """
@@ -15,6 +16,7 @@ import json
 import logging
 import os
 
+from ..errors import GuardUnavailable, LockTimeout
 from ..kernel import procfs
 from ..statefiles import open_regular
 
@@ -62,7 +64,11 @@ def pressing(backend) -> dict | None:
 
 def claim(backend, state: dict) -> dict | None:
     """Store `state` if no live guard owns the managed root. Returns None when claimed, else the
-    owner's state (nothing written)."""
+    owner's state (nothing written).
+
+    Raises:
+        GuardUnavailable: another process kept the managed root's lock past its bound (nothing written).
+    """
     root = _root(backend)
     if root is None:
         current = live(backend)
@@ -71,11 +77,14 @@ def claim(backend, state: dict) -> dict | None:
         save(backend, state)
         return None
     backend.ensure_root()
-    with root.lock():
-        current = live(backend)
-        if current is not None and not _mine(current, state):
-            return current
-        save(backend, state)
+    try:
+        with root.lock("claim the managed root for a pressure guard"):
+            current = live(backend)
+            if current is not None and not _mine(current, state):
+                return current
+            save(backend, state)
+    except LockTimeout as busy:
+        raise GuardUnavailable(str(busy)) from busy
     return None
 
 

@@ -6,7 +6,9 @@ xattrs since 5.7). Where the kernel refuses xattrs (older kernels, some delegati
 earlier cgroup of the same name is never taken for the current one.
 
 State changes take an exclusive flock(2) on the turn directory's fd (works on cgroupfs), so a
-read-modify-write by the owner, a sentinel and the CLI cannot interleave.
+read-modify-write by the owner, a sentinel and the CLI cannot interleave. The directory is private
+(cgroupfs.PRIVATE_MODE), so no other user can take that lock or read the record, and the wait for
+it is bounded (dirlock: LockTimeout, nothing written).
 
 Listing many turns over and over (`watch`, the metrics exporter, a gateway's dashboard) would re-read
 and re-parse every record each time, although records change only at a turn's few state changes.

@@ -2,6 +2,9 @@
 
 One connection per process (reopened after fork), WAL mode, short `BEGIN IMMEDIATE` transactions, so
 the owner, a sentinel and the CLI can share it and a state transition cannot interleave with another.
+SQLite's locks are fcntl(2) locks on the database and its `-wal`/`-shm` files, which a read-only fd
+can take: the file is made 0600 (SQLite gives the other two the database's mode), so no other user
+can open it, hold its lock or read it. A lock held past BUSY_TIMEOUT is a LockTimeout.
 Every turn row carries its record format (column `format`, record_format.py): a row written before the
 column existed (NULL) is format 1, a row newer than this code reads as a CORRUPT turn.
 """
@@ -11,14 +14,16 @@ import contextlib
 import dataclasses
 import os
 import sqlite3
+import stat
 import threading
 from typing import Iterator
 
-from ..errors import RegistryUnavailable, translate
+from ..errors import LockTimeout, RegistryUnavailable, translate
 from ..model import STORED_FIELDS, TurnRecord, corrupt_record
 from .record_format import FORMAT_KEY, RECORD_FORMAT, format_problem
 
 BUSY_TIMEOUT = 10.0
+DB_MODE = 0o600  # the owner's alone: see the module docstring
 _SQL_TYPES = {"str": "TEXT", "int": "INTEGER", "float": "REAL", "bool": "INTEGER"}
 
 
@@ -33,6 +38,25 @@ def _turn_columns() -> list[tuple[str, str]]:
         out.append((f.name, _SQL_TYPES.get(kind, "TEXT")))
     out.append((FORMAT_KEY, "INTEGER"))
     return out
+
+
+def _make_private(path: str) -> None:
+    """Create the database file DB_MODE before SQLite does (it would make it 0644), or take group
+    and other access away from one made so by an earlier cgturn, with its -wal and -shm files."""
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, DB_MODE))
+        return
+    except FileExistsError:
+        pass
+    except OSError:
+        return  # SQLite's open reports what is wrong
+    for name in (path, f"{path}-wal", f"{path}-shm"):
+        try:
+            st = os.stat(name, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_mode & 0o077 and st.st_uid == os.geteuid():
+                os.chmod(name, DB_MODE)
+        except OSError:
+            pass
 
 
 class RegistryDatabase:
@@ -59,6 +83,7 @@ class RegistryDatabase:
                 os.makedirs(directory, mode=0o755, exist_ok=True)
             except OSError as err:
                 raise translate("mkdir", directory, err) from err
+            _make_private(self.path)
             try:
                 conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT, isolation_level=None,
                                        check_same_thread=False)
@@ -85,6 +110,10 @@ class RegistryDatabase:
                 return
             try:
                 conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as err:
+                if "locked" in str(err) or "busy" in str(err):  # SQLITE_BUSY after BUSY_TIMEOUT
+                    raise LockTimeout(self.path, "write the registry", BUSY_TIMEOUT) from err
+                raise RegistryUnavailable(f"cannot write registry {self.path}: {err}") from err
             except sqlite3.Error as err:
                 raise RegistryUnavailable(f"cannot write registry {self.path}: {err}") from err
             self._depth = 1

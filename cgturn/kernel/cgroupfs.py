@@ -22,6 +22,16 @@ from .cgroupfiles import (  # noqa: F401 - re-exported: the file layer's one imp
 KILL_UNSUPPORTED_ERRNOS = frozenset({errno.ENOENT, errno.EINVAL, errno.EOPNOTSUPP})
 
 
+# The mode of every directory cgturn makes (mkdir(2), so never more than the umask allows). flock(2)
+# needs only a read-only fd, so a directory others may read is a lock others may take, and hold for
+# ever (issue 22): without read permission no other user can open, list or lock the directory, nor
+# read its xattrs (the turn records); the search bit still lets them reach the kernel's interface
+# files inside by path (cgroup.events, memory.current: 0644). cgroupfs (kernfs) honours the mode
+# given to mkdir and chmod like any filesystem.
+PRIVATE_MODE = 0o711
+_OPEN_TO_OTHERS = 0o066  # group or other read/write: what PRIVATE_MODE takes away
+
+
 class KillUnsupported(Exception):
     """cgroup.kill is missing or refused for this cgroup; the caller falls back to freeze + kill."""
 
@@ -217,18 +227,30 @@ class Cgroup:
             raise translate("mkdir", self.path, err) from err
 
     def make(self) -> None:
-        """mkdir this cgroup, which must not exist yet.
+        """mkdir this cgroup (PRIVATE_MODE), which must not exist yet.
 
         Raises:
             FileExistsError: it exists. FileNotFoundError: its parent does not (removed meanwhile).
             CgturnError: anything else, translated with the path.
         """
         try:
-            os.mkdir(self.path)
+            os.mkdir(self.path, PRIVATE_MODE)
         except (FileExistsError, FileNotFoundError):
             raise
         except OSError as err:
             raise translate("mkdir", self.path, err) from err
+
+    def make_private(self) -> bool:
+        """Take group and other read/write away from this directory, made before cgturn made its
+        directories PRIVATE_MODE (or by someone else). True when it is private (now or already);
+        False when the caller may not chmod it or it is gone."""
+        try:
+            mode = os.stat(self.path).st_mode
+            if mode & _OPEN_TO_OTHERS:
+                os.chmod(self.path, mode & 0o7777 & ~_OPEN_TO_OTHERS)
+            return True
+        except OSError:
+            return False
 
     def remove_if_empty(self) -> bool:
         """One rmdir: True when the cgroup is gone, False while it has children or processes."""
@@ -294,10 +316,11 @@ class Cgroup:
             if err.errno not in (errno.ENODATA, errno.ENOENT):
                 raise
 
-    def lock(self, timeout: float | None = None):
-        """Hold an exclusive flock(2) on the cgroup directory (works on cgroupfs); see
-        dirlock.exclusive (yields False, holding nothing, when the directory is gone)."""
-        return dirlock.exclusive(self.path, timeout)
+    def lock(self, what: str, timeout: float = dirlock.LOCK_WAIT):
+        """Hold an exclusive flock(2) on the cgroup directory (works on cgroupfs) for `what` (the
+        operation, named in the error); see dirlock.exclusive: yields False, holding nothing, when
+        the directory is gone; raises LockTimeout when another holder kept it for `timeout` s."""
+        return dirlock.exclusive(self.path, what, timeout)
 
     def open_dir(self) -> int | None:
         """An O_DIRECTORY fd of this cgroup for reads relative to it; None when it is gone."""

@@ -8,7 +8,8 @@ come back through a CLOEXEC pipe in _posixsubprocess's format and are raised as 
 
 `spawn_into` holds a shared flock(2) on the cgroup directory across the caller's state check and the
 clone; whoever marks the cgroup's owner as finished takes the same lock exclusively, so a clone can
-never follow the mark (a clone that precedes it is in the cgroup when the kill comes).
+never follow the mark (a clone that precedes it is in the cgroup when the kill comes). The wait for
+it is bounded (dirlock.LOCK_WAIT; LockTimeout, nothing started), in the extension too.
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ import subprocess
 import sys
 import threading
 from typing import Callable
+
+from ..errors import LockTimeout
+from . import dirlock
 
 try:
     import cgturn._spawn as _spawn  # the C extension: kernel I/O, like this module
@@ -97,7 +101,7 @@ def spawn_if_unchanged(cgroup_dir: str, key: bytes, expected: bytes, v1_procs: l
     until the child has exec'd (all of it in the extension, without the GIL).
 
     Returns None, starting nothing, when the xattr differs (or is absent).
-    Raises: as `spawn_into`.
+    Raises: as `spawn_into` (LockTimeout: the extension waited 2 s for the shared lock).
     """
     target = (cgroup_dir, key, expected)
     try:
@@ -122,6 +126,7 @@ def spawn_into(cgroup_dir: str, v1_procs: list[str], may_spawn: Callable[[int], 
     Returns None, starting nothing, when `may_spawn()` says no.
     Raises:
         FileNotFoundError: `cgroup_dir` (or a v1 directory) is gone.
+        LockTimeout: another process held the directory's lock exclusively for dirlock.LOCK_WAIT.
         CloneUnsupported: the kernel refuses clone3 into a cgroup (nothing started).
         CgroupJoinError: the child could not join a v1 cgroup.
         OSError: as Popen raises for the target (FileNotFoundError, PermissionError, ...), or the
@@ -131,7 +136,8 @@ def spawn_into(cgroup_dir: str, v1_procs: list[str], may_spawn: Callable[[int], 
         fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         _inflight.add(fd)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        if not dirlock.flock_within(fd, fcntl.LOCK_SH, dirlock.LOCK_WAIT):
+            raise LockTimeout(cgroup_dir, "spawn into the cgroup", dirlock.LOCK_WAIT)
         if not may_spawn(fd):
             return None
         return _with_joins(v1_procs, lambda join: (popen or CgroupPopen)(
@@ -201,6 +207,9 @@ class CgroupPopen(subprocess.Popen):
         except OSError as err:
             if err.errno in UNSUPPORTED and err.filename is None:
                 raise CloneUnsupported(err.errno, f"clone3(CLONE_INTO_CGROUP): {err.strerror}") from None
+            if err.errno == errno.ETIMEDOUT and isinstance(self._cgroup, tuple):
+                # the extension's bounded wait for the checked spawn's shared lock (2 s, as dirlock's)
+                raise LockTimeout(self._cgroup[0], "spawn into the cgroup", dirlock.LOCK_WAIT) from None
             raise
         if started is None:
             raise _Changed()
