@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 import subprocess
 import time
 from typing import Any, Callable
@@ -26,6 +27,11 @@ from .kernel import procfs
 from .limits import Limits, Usage
 from .logfields import turn_fields
 from .model import ABANDONED, COMPLETED, CORRUPT, RUNNING, AbandonResult, Argv, TurnRecord, TurnView
+
+# What keeps an abandon from marking its turn, and must not keep it from killing: the turn's lock held
+# past its bound, or a record store that cannot be written (ENOSPC, EROFS on the state directory's
+# metadata files; the registry database's errors on a full or read-only disk).
+_UNMARKABLE = (LockTimeout, OSError, sqlite3.Error)
 
 log = logging.getLogger("cgturn")
 
@@ -135,8 +141,10 @@ class TurnControl:
                      when: Callable[[TurnRecord], bool] | None = None) -> AbandonResult:
         """Mark the turn at this directory abandoned (first transition wins) and kill it. `when(record)`,
         if given, must also hold under the turn's lock (the guard: "still frozen by me"; a lease: "still
-        run out"). When the lock stays held past its bound (LockTimeout), the turn is killed all the
-        same and the result's `unrecorded` says what its record lacks (_abandon_unmarked).
+        run out"). When the mark cannot be made — the lock stays held past its bound (LockTimeout), or
+        the record store cannot be written (a full or read-only state directory: OSError, or the
+        registry database's sqlite3.Error) — the turn is killed all the same and the result's
+        `unrecorded` says what its record lacks (_abandon_unmarked).
 
         Raises:
             UnsafeOperation: the turn holds the caller, one of its ancestors or PID 1.
@@ -150,7 +158,7 @@ class TurnControl:
                    "killer_start": procfs.own_start_time()}
         try:
             won, rec = self.backend.transition(task_key, turn_key, allowed, ABANDONED, updates, when=when)
-        except LockTimeout as busy:
+        except _UNMARKABLE as busy:
             return self._abandon_unmarked(task_key, turn_key, reason, grace, allowed, updates, when, busy)
         if not won or rec is None:
             return AbandonResult(skipped=True, reason=(rec.reason if rec else None) or reason)
@@ -162,8 +170,9 @@ class TurnControl:
 
     def _abandon_unmarked(self, task_key: str, turn_key: str, reason: str, grace: float, allowed: frozenset[str],
                           updates: dict[str, Any], when: Callable[[TurnRecord], bool] | None,
-                          busy: LockTimeout) -> AbandonResult:
-        """The abandon whose mark could not be made (the turn's lock stayed held: `busy`) still kills:
+                          busy: Exception) -> AbandonResult:
+        """The abandon whose mark could not be made (the turn's lock stayed held, or its store could
+        not be written: `busy`) still kills:
         a kill path never waits on a lock. The record read without the lock decides, by the mark's
         own rules, and the kill runs; then the mark is tried once more, in case the turn outlived
         its kill. What was not written is the result's `unrecorded` (and an error in the log)."""
@@ -179,8 +188,8 @@ class TurnControl:
         if self.backend.load(task_key, turn_key) is not None:  # it outlived the kill: its record must say so
             try:
                 self.backend.transition(task_key, turn_key, allowed, ABANDONED, updates, when=when)
-            except LockTimeout as still:
-                result.unrecorded += f"; it is still there and still not marked ({still.waited:g} s more)"
+            except _UNMARKABLE as still:
+                result.unrecorded += f"; it is still there and still not marked ({still})"
         self._ended(rec, result)
         return result
 

@@ -24,13 +24,12 @@ from conftest import REPO, alive, cgturn_env, kill_scope, need_cgroup2, wait_unt
 
 GATEWAY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_gateway.py")
 
-# The defect behind every xfail below: an abandon updates the turn's record (the transition to
-# `abandoned`) in the state directory before it writes cgroup.kill, and raises when that write fails,
-# so on a full or read-only state directory the metadata fallback (<state_dir>/meta) and the registry
-# database never kill. cgturn/control.py `abandon_turn` and the backends' `transition` own that order.
-KILL_AFTER_RECORD = ("the kill waits on the record update: abandon_turn's transition (the metadata "
-                     "fallback file / the registry database) fails on a {} state directory before "
-                     "cgroup.kill is written, so the turn is not killed")
+# The defect behind the xfails below: on the registry an abandon's mark (the transition to
+# `abandoned` in its database) fails on a full or read-only state directory with RegistryUnavailable,
+# and its kill and row removal go through the same database, so the turn is not killed. (A mark that
+# cannot be written on cgroup2's metadata fallback no longer stops the kill: cgturn/control.py.)
+KILL_AFTER_RECORD = ("the registry's kill waits on its database: the mark fails on a {} state "
+                     "directory with RegistryUnavailable, so the turn is not killed")
 
 
 def run_gateway(scenario: str, private_mounts: bool, **args) -> dict:
@@ -62,10 +61,8 @@ def one_clear_line(error: str | None) -> None:
 STATE_DIR_CASES = [
     pytest.param("cgroup2", "full", id="cgroup2-full"),
     pytest.param("cgroup2", "readonly", id="cgroup2-readonly"),
-    pytest.param("cgroup2-files", "full", id="metadata-fallback-full", marks=pytest.mark.xfail(
-        strict=True, reason=KILL_AFTER_RECORD.format("full"))),
-    pytest.param("cgroup2-files", "readonly", id="metadata-fallback-readonly", marks=pytest.mark.xfail(
-        strict=True, reason=KILL_AFTER_RECORD.format("read-only"))),
+    pytest.param("cgroup2-files", "full", id="metadata-fallback-full"),
+    pytest.param("cgroup2-files", "readonly", id="metadata-fallback-readonly"),
     pytest.param("registry", "full", id="registry-full", marks=pytest.mark.xfail(
         strict=True, reason=KILL_AFTER_RECORD.format("full"))),
     pytest.param("registry", "readonly", id="registry-readonly", marks=pytest.mark.xfail(
@@ -154,7 +151,8 @@ def test_max_descendants_reached_refuses_new_turns_clearly_and_kills_still_work(
 
 
 def test_the_sentinel_sigkilled_repeatedly_during_churn_kills_nothing_and_leaks_nothing(cgroup2_root, state_dir):
-    from cgturn import Supervisor, TurnManager, attach_sentinel, audit
+    from cgturn import Supervisor, TurnManager, audit
+    from cgturn.sentinel import attach as attach_sentinel
 
     mgr = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, sentinel=True)
     try:

@@ -215,6 +215,12 @@ class MetadataStore:
             os.unlink(path)
         except (FileNotFoundError, NotADirectoryError):
             return  # no file: its task's directory, if any, holds other turns' files
+        except OSError as err:
+            # A read-only or failing state directory must not fail a kill that is done: the file
+            # names a directory that no longer exists (its inode is in it), so it is never read as
+            # that turn's, and the next turn of that name writes over it.
+            log.warning("cannot remove the record file %s of a removed turn: %s", path, err)
+            return
         try:
             os.rmdir(os.path.dirname(path))
         except OSError:
