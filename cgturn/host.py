@@ -90,7 +90,8 @@ def doctor_report(root: str | None = None, backend: str | None = None, state_dir
     Read-only: it creates nothing (no managed root, no database, no probe directory).
 
     Args:
-        root, backend: as `TurnManager(root=, backend=)` (and their environment variables).
+        root: as `TurnManager(root=)` (and CGTURN_ROOT).
+        backend: as `TurnManager(backend=)` (and CGTURN_BACKEND).
         state_dir: where the registry fallback keeps the pressure guard's state.
 
     Returns:

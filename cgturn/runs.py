@@ -100,7 +100,8 @@ async def aabandon_disconnected(run: Run, grace: float = 2.0) -> AbandonResult |
     A process that ignores SIGTERM never stalls the event loop then.
 
     Args:
-        run, grace: as `abandon_disconnected`.
+        run: as `abandon_disconnected`.
+        grace: as `abandon_disconnected`.
 
     Returns:
         As `abandon_disconnected`.

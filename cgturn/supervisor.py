@@ -425,7 +425,8 @@ class Supervisor:
         """`stop` from a coroutine, without blocking the event loop for the grace period.
 
         Args:
-            reason, grace: as `stop`.
+            reason: as `stop`.
+            grace: as `stop`.
 
         Returns:
             As `stop`.
