@@ -144,7 +144,8 @@ def _doctor_limits(props: tuple[str, ...], enter_leaf: bool = False) -> tuple[st
 def test_doctor_reports_the_v2_layout_when_the_unit_delegates_from_a_leaf():
     unit_dir, report = _doctor_limits(DELEGATED, enter_leaf=True)
     assert report["own_cgroup"] == f"{unit_dir}/supervisor"
-    assert report["limits"] == {"layout": "v2", "available": ["cpu", "memory", "pids"], "problems": []}
+    assert report["limits"] == {"layout": "v2", "available": ["cpu", "memory", "pids"], "problems": [],
+                                "unsupported": {}}
 
 
 @pytest.mark.parametrize("props", [("Delegate=yes",), DELEGATED], ids=["no-leaf", "leaf-nothing-enabled"])
