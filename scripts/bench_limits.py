@@ -56,16 +56,6 @@ def limited_abandon(mgr: TurnManager, n: int) -> float:
     return cgturn_abandon(mgr, n, Limits(memory_max=LIMITS.memory_max, pids_max=n + 50, cpus=LIMITS.cpus), check)
 
 
-def remove_v1(mgr: TurnManager) -> None:
-    """The managed root's v1 directories (on a hybrid host), after `destroy` removed its cgroup2 tree,
-    and the mirror of its parent `cgturn-bench-*` that the library made on the way (it removes only
-    the root's own)."""
-    for path in v1_dirs(mgr).values():
-        for directory in (path, os.path.dirname(path)):
-            if os.path.basename(directory).startswith("cgturn-bench-") or "/cgturn-bench-" in directory:
-                destroy(directory)  # v1 has no cgroup.kill: the write fails quietly, the rmdirs remain
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -98,9 +88,8 @@ def main() -> int:
             print("interrupted: cleaning up", file=sys.stderr)
             return 130
         finally:
+            destroy(base, mgr)
             mgr.close()
-            destroy(base)
-            remove_v1(mgr)
     limited, plain = statistics.median(rates["limited"]), statistics.median(rates["plain"])
     floor_ms, limited_ms = (statistics.median(abandon[k]) * 1000 for k in ("floor", "limited"))
     print(f"cgturn limits bench on {os.uname().release}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "

@@ -127,8 +127,19 @@ def bench_root() -> str | None:
     return os.path.join(host.own_cgroup or host.cgroup2_mount, f"cgturn-bench-{uuid.uuid4().hex[:8]}")
 
 
-def destroy(root: str) -> None:
-    """Kill whatever is left under the bench root (never holds this process) and remove it."""
+def destroy(root: str, *managers: TurnManager) -> None:
+    """Kill whatever is left under the bench root (never holds this process) and remove it; then let
+    each manager of a managed root below it remove that root's v1 directories on a hybrid host (and
+    the empty mirrors above them, such as `cgturn-bench-*` itself), which a cgroup2 rmdir cannot reach.
+    Called from `finally`, so an interrupted or failed bench leaves nothing behind either."""
+    try:
+        _remove_tree(root)
+    finally:
+        for mgr in managers:
+            mgr.remove_root()
+
+
+def _remove_tree(root: str) -> None:
     if not os.path.isdir(root):
         return
     with contextlib.suppress(OSError), open(os.path.join(root, "cgroup.kill"), "w") as f:

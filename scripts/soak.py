@@ -208,8 +208,8 @@ def main() -> int:
         elapsed = time.monotonic() - t0
         end = figures(root, state_dir)
     finally:
+        benchlib.destroy(root, mgr)
         mgr.close()
-        benchlib.destroy(root)
     turns = soak.turns - warm_turns
     print(f"{turns} turns in {elapsed:.0f} s ({turns / elapsed:.0f} turns/s) after {warm_turns} warm-up turns")
     print("kinds: " + ", ".join(f"{k} {n}" for k, n in sorted(soak.kinds.items())))
