@@ -403,26 +403,31 @@ static long clone_child(struct clone_args_v2 *cl, struct child *c)
 #define LOCK_WAIT_NS 2000000000LL
 #define LOCK_POLL_NS 1000000L
 
+/* The raw system call, not glibc's clock_gettime: that symbol is GLIBC_2.17 and would lift the wheel's
+ * manylinux tag above 2_12 (docs/install.md). It is read only while a lock is contended. */
 static long long monotonic_ns(void)
 {
     struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
+    syscall(SYS_clock_gettime, CLOCK_MONOTONIC, &t);
     return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
 /* flock(LOCK_SH) on `fd` within LOCK_WAIT_NS: LOCK_NB polled every LOCK_POLL_NS (flock has no timed
  * form; a shared request waits only while an exclusive lock is held, which is short). 0, -errno,
- * or LOCK_TIMEOUT. */
+ * or LOCK_TIMEOUT. The clock is first read on contention, so an uncontended spawn pays no call. */
 static long flock_shared_within(int fd)
 {
-    long long deadline = monotonic_ns() + LOCK_WAIT_NS;
+    long long deadline = 0;
     struct timespec pause = {0, LOCK_POLL_NS};
     for (;;) {
         if (flock(fd, LOCK_SH | LOCK_NB) == 0)
             return 0;
         if (errno != EWOULDBLOCK && errno != EINTR)
             return -errno;
-        if (monotonic_ns() >= deadline)
+        long long now = monotonic_ns();
+        if (deadline == 0)
+            deadline = now + LOCK_WAIT_NS;
+        else if (now >= deadline)
             return LOCK_TIMEOUT;
         nanosleep(&pause, NULL);
     }
