@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from . import freezing, ids, keys, killing, leases, reasons
 from .backends.base import Backend
-from .errors import AccessDenied, LockTimeout, NoSuchProcess, NoSuchTurn, UnsafeOperation
+from .errors import AccessDenied, LockTimeout, NoSuchProcess, NoSuchTurn, RegistryUnavailable, UnsafeOperation
 from .events import Listeners, TurnEnded
 from .governance import Governance
 from .kernel import procfs
@@ -31,7 +31,7 @@ from .model import ABANDONED, COMPLETED, CORRUPT, RUNNING, AbandonResult, Argv, 
 # What keeps an abandon from marking its turn, and must not keep it from killing: the turn's lock held
 # past its bound, or a record store that cannot be written (ENOSPC, EROFS on the state directory's
 # metadata files; the registry database's errors on a full or read-only disk).
-_UNMARKABLE = (LockTimeout, OSError, sqlite3.Error)
+_UNMARKABLE = (LockTimeout, OSError, sqlite3.Error, RegistryUnavailable)
 
 log = logging.getLogger("cgturn")
 

@@ -25,6 +25,7 @@ from cgturn.host import discover_host
 from cgturn.metrics import AuditTail
 
 TMPFS_BYTES = 256 * 1024
+READONLY_TMPFS_BYTES = 16 * 1024 * 1024
 # Turn processes must not hold the test's pipe to this process (a survivor would keep it open).
 QUIET = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -133,7 +134,10 @@ def fill(path: str) -> None:
 
 def state_dir_scenario(root: str, state_dir: str, backend: str, fault: str) -> dict:
     refuse_shared_namespace(state_dir)
-    mount("-t", "tmpfs", "-o", f"size={TMPFS_BYTES},mode=0755", "cgturn-fault", state_dir)
+    # Small, so filling it is quick; a read-only one has room for the registry's WAL once it is lifted
+    # (SQLite checkpoints it only at 1,000 pages: sqlite.org/wal.html).
+    size = TMPFS_BYTES if fault == "full" else READONLY_TMPFS_BYTES
+    mount("-t", "tmpfs", "-o", f"size={size},mode=0755", "cgturn-fault", state_dir)
     report: dict = {"backend": backend, "fault": fault}
     mgr = make_manager(root, state_dir, backend)
     report["scope"] = getattr(mgr.backend, "scope", None)
@@ -174,6 +178,9 @@ def state_dir_scenario(root: str, state_dir: str, backend: str, fault: str) -> d
     tail.update()
     report["audit_kills"], report["audit_malformed"] = tail.kills, tail.malformed
     report["turns_after"] = sorted((info.turn, info.state) for info in mgr.turns("fault"))
+    if backend == "registry":   # what the stop could not record, a stop after the lift does
+        report["restop"] = cli_stop(root, state_dir, backend, "fault", "outside")
+        report["turns_after_restop"] = sorted((info.turn, info.state) for info in mgr.turns("fault"))
     mgr.close()
     return report
 

@@ -10,7 +10,11 @@ any process on the host (owner, sentinel, CLI) shares. A turn owns:
   CGTURN_TURN): double-forked/setsid daemons that reparented away keep it, so they are found
   wherever they went — and their descendants.
 
-PID 1, the caller and its ancestors are never members and never signalled. Membership (one pass over
+PID 1, the caller and its ancestors are never members and never signalled. A kill never waits on the
+database: on a full or read-only state directory (RegistryUnavailable) it kills from what is known —
+the processes this process recorded, their descendants, and every process whose environment names the
+turn — and a row it cannot delete is hidden in this process and deleted by its next write that works
+(a warning says so; another process still lists the turn until then, with no processes). Membership (one pass over
 /proc) is registry_members.py; stopping and killing members (SIGSTOP passes, then SIGKILL: best
 effort against forks, there is no kernel-side container) is registry_killer.py.
 
@@ -20,6 +24,7 @@ attributed to this registry by their environment while they were alive (orphans.
 waitpid(-1) and never waits for a process this backend spawned (a Popen owns that exit status). The
 database is registry_db.py.
 """
+# size: a little over the limit: one Backend class whose every hook is a few lines; membership, killing and the database are modules of their own.
 from __future__ import annotations
 
 import contextlib
@@ -30,16 +35,17 @@ import subprocess
 import time
 from typing import Iterable
 
-from ..errors import IsolationUnavailable, NoSuchProcess, NoSuchTurn, TurnExists
+from ..errors import IsolationUnavailable, NoSuchProcess, NoSuchTurn, RegistryUnavailable, TurnExists
 from ..kernel import procfs
 from ..limits import Usage
+from ..logfields import turn_fields
 from ..model import COMPLETED, RUNNING, TurnRecord, TurnView
 from . import isolation
 from .base import (ENV_SCOPE, ENV_TASK, ENV_TURN, Backend, Member, prepare_spawn, scope_tag, turn_environment,
                    with_environment)
 from .capabilities import no_limits_error
 from .orphans import SPAWN_LOCK, OrphanCollector, acquire_subreaper, note_spawned, release_subreaper
-from .registry_db import RegistryDatabase
+from .registry_db import RefusedDeletes, RegistryDatabase
 from .registry_killer import RegistryKiller
 from .registry_members import Snapshot, collect, usage, wait_any_exit
 
@@ -81,6 +87,10 @@ class RegistryBackend(Backend):
         # owns turns does it (on its first turn), never a read-only user such as `cgturn ps`.
         self._wants_subreaper = subreaper
         self._saved_env: dict[str, str | None] | None = None  # the caller's CGTURN_* before enter()
+        # Processes this process recorded, per turn: what a kill still knows when the database cannot
+        # be read.
+        self._known: dict[tuple[str, str], set[Member]] = {}
+        self._unforgotten = RefusedDeletes(self.db)  # killed turns' rows the database would not delete
         self.killer = RegistryKiller(lambda rec, protected: self._collect(rec, Snapshot(self.scope), protected),
                                      self._expect_orphans)
 
@@ -117,6 +127,7 @@ class RegistryBackend(Backend):
         if record.sealed or record.network != "host":  # both need the turn's cgroup and namespaces
             raise IsolationUnavailable("the registry backend cannot seal a turn or give it a network of its own")
         self._ensure_collector()
+        self._unforgotten.retry()
         with self.db.write() as conn:
             old = self.db.load(conn, record.task_key, record.turn_key)
             if old is not None:
@@ -128,17 +139,21 @@ class RegistryBackend(Backend):
     def load(self, task_key: str, turn_key: str) -> TurnRecord | None:
         rows = self.db.read(f"SELECT {', '.join(self.db.columns)} FROM turns WHERE task_key=? AND turn_key=?",
                             (task_key, turn_key))
-        return self.db.to_record(rows[0]) if rows else None
+        rec = self.db.to_record(rows[0]) if rows else None
+        return None if rec is None or self._unforgotten.hides(rec) else rec
 
     def records(self, task_key: str | None = None) -> list[TurnRecord]:
         sql = f"SELECT {', '.join(self.db.columns)} FROM turns"
         rows = (self.db.read(sql + " WHERE task_key=? ORDER BY started_at", (task_key,)) if task_key is not None
                 else self.db.read(sql + " ORDER BY started_at"))
-        return [self.db.to_record(row) for row in rows]
+        return [rec for rec in map(self.db.to_record, rows) if not self._unforgotten.hides(rec)]
 
     def transition(self, task_key, turn_key, allowed_from: Iterable[str], to_state, updates, when=None):
+        self._unforgotten.retry()
         with self.db.write() as conn:
             rec = self.db.load(conn, task_key, turn_key)
+            if rec is not None and self._unforgotten.hides(rec):
+                rec = None
             if rec is None or (when is not None and not when(rec)) or not rec.advance(set(allowed_from), to_state, updates):
                 return False, rec
             self.db.save(conn, rec)
@@ -194,15 +209,24 @@ class RegistryBackend(Backend):
         self._record_process(record, pid, started, procfs.cmdline(pid).split(" "))
 
     def _record_process(self, record: TurnRecord, pid: int, started: int, argv: list[str]) -> None:
+        self._known.setdefault((record.task_key, record.turn_key), set()).add((pid, started))
         with self.db.write() as conn:
             conn.execute("INSERT OR IGNORE INTO processes (pid, start_time, task_key, turn_key, argv) "
                          "VALUES (?, ?, ?, ?, ?)",
                          (pid, started, record.task_key, record.turn_key, json.dumps(argv)))
 
     def recorded(self, record: TurnRecord) -> list[Member]:
-        """(pid, start time) of every process recorded (spawned or adopted) in the turn, dead or alive."""
-        rows = self.db.read("SELECT pid, start_time FROM processes WHERE task_key=? AND turn_key=? ORDER BY seq",
-                            (record.task_key, record.turn_key))
+        """(pid, start time) of every process recorded (spawned or adopted) in the turn, dead or alive;
+        when the database cannot be read, those this process recorded (a kill must not wait on it)."""
+        try:
+            rows = self.db.read("SELECT pid, start_time FROM processes WHERE task_key=? AND turn_key=? ORDER BY seq",
+                                (record.task_key, record.turn_key))
+        except RegistryUnavailable as err:
+            known = sorted(self._known.get((record.task_key, record.turn_key), ()))
+            log.warning("cannot read the processes of turn %r of task %r from the registry (%s): using the %d "
+                        "this process recorded and the turn's environment", record.turn_id, record.task_id, err,
+                        len(known), extra=turn_fields(record.task_id, record.turn_id, record.reason))
+            return known
         return [(pid, start) for pid, start in rows]
 
     def members(self, record) -> list[Member]:
@@ -289,10 +313,24 @@ class RegistryBackend(Backend):
             wait_any_exit(members[:MAX_POLL_FDS], min(remaining, RESCAN_INTERVAL))
 
     def remove(self, record) -> bool:
-        with self.db.write() as conn:
+        """Delete an emptied turn's row (False while it has members). A database that refuses the
+        write (RegistryUnavailable: a full or read-only state directory) does not keep a kill from
+        finishing: the row is hidden in this process and deleted by its next write that works."""
+        self._unforgotten.retry()
+        try:
+            with self.db.write() as conn:
+                if self._collect(record, Snapshot(self.scope)):
+                    return False
+                self.db.forget(conn, record.task_key, record.turn_key)
+        except RegistryUnavailable as err:
             if self._collect(record, Snapshot(self.scope)):
                 return False
-            self.db.forget(conn, record.task_key, record.turn_key)
+            self._unforgotten.add(record)
+            log.warning("cannot remove the record of turn %r of task %r, which is empty (%s): this process "
+                        "deletes it once the registry takes writes again; others list it until then",
+                        record.turn_id, record.task_id, err,
+                        extra=turn_fields(record.task_id, record.turn_id, record.reason))
+        self._known.pop((record.task_key, record.turn_key), None)
         return True
 
     def task_keys(self) -> list[str]:

@@ -59,6 +59,17 @@ def _make_private(path: str) -> None:
             pass
 
 
+def _rollback(conn: sqlite3.Connection) -> None:
+    """Roll back the open transaction, if SQLite has not already: a COMMIT that fails with SQLITE_FULL
+    (a full state directory) rolls the transaction back itself, and a second ROLLBACK would raise
+    "no transaction is active" in place of the error that matters (sqlite.org/lang_transaction.html)."""
+    if conn.in_transaction:
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass  # the error being raised says what went wrong
+
+
 class RegistryDatabase:
     """The registry's SQLite file: one connection per process (reopened after fork), WAL mode.
 
@@ -121,7 +132,7 @@ class RegistryDatabase:
                 yield conn
                 conn.execute("COMMIT")
             except BaseException as exc:
-                conn.execute("ROLLBACK")
+                _rollback(conn)
                 if isinstance(exc, sqlite3.Error):
                     raise RegistryUnavailable(f"cannot write registry {self.path}: {exc}") from exc
                 raise
@@ -155,7 +166,7 @@ class RegistryDatabase:
                     conn.execute(f"ALTER TABLE turns ADD COLUMN {name} {kind}")
             conn.execute("COMMIT")
         except BaseException as exc:
-            conn.execute("ROLLBACK")
+            _rollback(conn)
             self._conn = None
             if isinstance(exc, sqlite3.Error):
                 raise RegistryUnavailable(f"cannot set up registry {self.path}: {exc}") from exc
@@ -192,3 +203,37 @@ class RegistryDatabase:
             if self._conn is not None and self._conn_pid == os.getpid():
                 self._conn.close()
             self._conn = None
+
+
+class RefusedDeletes:
+    """Rows of killed, emptied turns whose deletion the database refused (a full or read-only state
+    directory): hidden from this process's reads, deleted by `retry` once writes work again. Only the
+    same turn goes (its `started_at`): a turn begun since under the same names stays.
+
+    Args:
+        db: the database the rows are in.
+    """
+
+    def __init__(self, db: RegistryDatabase):
+        self._db = db
+        self._rows: dict[tuple[str, str], float] = {}
+
+    def add(self, rec: TurnRecord) -> None:
+        self._rows[(rec.task_key, rec.turn_key)] = rec.started_at
+
+    def hides(self, rec: TurnRecord) -> bool:
+        return self._rows.get((rec.task_key, rec.turn_key)) == rec.started_at
+
+    def retry(self) -> None:
+        """Delete the rows, if the database takes writes again; else keep them for the next try."""
+        if not self._rows:
+            return
+        try:
+            with self._db.write() as conn:
+                for (task_key, turn_key), started_at in list(self._rows.items()):
+                    old = self._db.load(conn, task_key, turn_key)
+                    if old is None or old.started_at == started_at:
+                        self._db.forget(conn, task_key, turn_key)
+        except (RegistryUnavailable, LockTimeout):
+            return
+        self._rows.clear()

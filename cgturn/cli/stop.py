@@ -1,10 +1,13 @@
 """`cgturn stop TASK TURN [--reason R] [--grace S] [--force] [--json]`: abandon one turn by hand.
 
-Exit 1 when there is no such turn. A completed turn's survivors are left alone (skipped, exit 0)
+Exit 1 when there is no such turn. An abandon whose turn could not be marked first (its lock held,
+or a full or read-only state directory) still kills and exits 0; what its record lacks is printed
+on stderr (`unrecorded` in the JSON). A completed turn's survivors are left alone (skipped, exit 0)
 unless `--force`. Refused (exit 1) when the turn contains this process.
 """
 from __future__ import annotations
 
+import sys
 
 from .. import reasons
 from . import common
@@ -36,7 +39,10 @@ def run(args) -> int:
         manager.close()
     data = {"task": args.task, "turn": args.turn, "state_before": before, "skipped": result.skipped,
             "reason": result.reason, "killed": result.killed, "signals": result.signals,
-            "duration_ms": round(result.duration_ms, 3)}
+            "duration_ms": round(result.duration_ms, 3), "unrecorded": result.unrecorded}
+    if result.unrecorded is not None and not args.json:
+        # The kill happened; what its record lacks goes to stderr, as the warnings before it did.
+        print(f"cannot record the abandon: {result.unrecorded}", file=sys.stderr)
     if args.json:
         common.print_json(data)
     elif result.skipped:
