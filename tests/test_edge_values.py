@@ -16,7 +16,7 @@ from cgturn import limits as limits_module
 from cgturn.cli import main
 from cgturn.errors import KernelError
 from cgturn.kernel import controllers
-from conftest import PY, cgturn_env, cli, v1_mirrors
+from conftest import PY, cgturn_argv, cgturn_env, cli, v1_mirrors
 
 MAX_BYTES, MAX_PIDS = limits_module.MAX_BYTES, limits_module.MAX_PIDS
 MIN_CPUS, MAX_CPUS = limits_module.MIN_CPUS, limits_module.MAX_CPUS
@@ -270,6 +270,22 @@ def test_ps_and_watch_escape_ids_and_json_keeps_them_exact(cgroup2_manager, cgro
         import json
         rows = json.loads(cli(cgroup2_root, state_dir, "ps", "--json").stdout)
         assert [(r["task"], r["turn"]) for r in rows] == [(HOSTILE_TASK, HOSTILE_TURN)]
+    finally:
+        turn.abandon("test", grace=0)
+
+
+def test_end_quotes_the_ids_it_leaves_as_stop_does(cgroup2_manager, cgroup2_root, state_dir):
+    # `cgturn end` run from inside one of the task's turns must leave that turn (it holds the caller)
+    # and name it on its "still present" line.
+    turn = cgroup2_manager.begin_turn(HOSTILE_TASK, HOSTILE_TURN)
+    try:
+        proc = turn.spawn(cgturn_argv(cgroup2_root, state_dir, "end", "--grace", "0", HOSTILE_TASK),
+                          env=cgturn_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1, err
+        assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
+        left = [line for line in out.splitlines() if line.startswith("still present: ")]
+        assert left == [f"still present: {HOSTILE_TURN!r}"], out
     finally:
         turn.abandon("test", grace=0)
 

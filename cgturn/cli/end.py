@@ -37,5 +37,6 @@ def run(args) -> int:
         for refused in result.refused:
             print(f"refused turn {refused['turn']!r}: {refused['error']}")
         if left:
-            print(f"still present: {', '.join(data['turns_left'])}")
+            # Quoted as stop quotes them: an id's escape sequence or newline never reaches the terminal.
+            print(f"still present: {', '.join(map(repr, data['turns_left']))}")
     return common.EXIT_FAILED if left else common.EXIT_OK
