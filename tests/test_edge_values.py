@@ -178,6 +178,26 @@ def test_a_limit_the_kernel_refuses_at_begin_turn_leaves_no_directory(cgroup2_ma
         kept.abandon("test", grace=0)
 
 
+def test_a_task_budget_the_kernel_refuses_on_a_new_task_leaves_no_directory(cgroup2_manager, cgroup2_root):
+    cgroup2_manager.set_limits(Limits(cpus=1))
+    if not _cpu_in_v1(cgroup2_manager):
+        pytest.skip("needs the cpu controller in a v1 hierarchy (a hybrid host)")
+    before = hierarchies(cgroup2_root)
+    for _ in range(2):  # the second time the task is new again: the first left nothing behind
+        with pytest.raises(KernelError, match="cfs_quota_us"):
+            cgroup2_manager.set_task_limits("refused", Limits(cpus=2, pids_max=50))
+        assert hierarchies(cgroup2_root) == before   # neither the v2 task directory nor its v1 ones
+    # a task that has a turn keeps its directories
+    kept = cgroup2_manager.begin_turn("refused", "kept", limits=Limits(pids_max=10))
+    try:
+        with_kept = hierarchies(cgroup2_root)
+        with pytest.raises(KernelError):
+            cgroup2_manager.set_task_limits("refused", Limits(cpus=2))
+        assert hierarchies(cgroup2_root) == with_kept
+    finally:
+        kept.abandon("test", grace=0)
+
+
 def test_run_with_a_refused_limit_exits_125_and_leaves_no_directory(cgroup2_manager, cgroup2_root, state_dir):
     cgroup2_manager.set_limits(Limits(cpus=1))
     if not _cpu_in_v1(cgroup2_manager):

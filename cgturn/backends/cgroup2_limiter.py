@@ -15,7 +15,7 @@ import os
 import time
 from typing import Any, Callable, Iterable
 
-from ..errors import KernelError, LimitsUnavailable, NoSuchTurn
+from ..errors import CgturnError, KernelError, LimitsUnavailable, NoSuchTurn
 from ..logfields import turn_fields
 from ..kernel.cgroupfs import Cgroup, child_entries
 from ..limits import Limits, Usage, stored_limits
@@ -109,13 +109,27 @@ class CgroupLimiter:
         task = self._root.child(task_key)
         merged = layout.stored_limits(task).merged(limits)
         layout.check(merged)
-        if task.create():
-            layout.enable_v2(task)
-        with _stored_first(layout, task, merged, layout.uses_v1(merged)) as needs_v1:
-            if needs_v1:
-                layout.make_v1_dirs(task_key)
-                self._give_all_v1_dirs(task_key)
-            layout.apply(merged, task.path, task_key)
+        made = task.create()
+        try:
+            if made:
+                layout.enable_v2(task)
+            with _stored_first(layout, task, merged, layout.uses_v1(merged)) as needs_v1:
+                if needs_v1:
+                    layout.make_v1_dirs(task_key)
+                    self._give_all_v1_dirs(task_key)
+                layout.apply(merged, task.path, task_key)
+        except BaseException:
+            if made:  # a budget the kernel refused leaves no task behind (one a turn joined meanwhile stays)
+                self._remove_if_empty(task, task_key)
+            raise
+
+    def _remove_if_empty(self, task: Cgroup, task_key: str) -> None:
+        """Remove a task directory this call made, and its v1 directories, if no turn is in them;
+        quietly: the caller is raising the error that made it fail."""
+        with contextlib.suppress(OSError, CgturnError):
+            if task.remove_if_empty():
+                for path in self._layout().v1_dirs(task_key).values():
+                    Cgroup(path).remove_if_empty()
 
     def set_root_limits(self, limits: Limits) -> None:
         """Change the budget of the managed root: all turns together (None fields unchanged).
