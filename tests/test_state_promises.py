@@ -153,6 +153,42 @@ def test_task_limits_cover_turns_begun_while_they_are_set(hybrid):
             proc.wait(30)
 
 
+def test_a_turn_whose_creator_stalls_past_a_task_budget_still_gets_its_v1_dirs(hybrid, monkeypatch):
+    """A creator stopped between its turn's mkdir and its record for longer than set_task_limits waits
+    for records (1 s) re-checks the budgets once recorded: the turn gets its v1 directories, and what
+    it spawns is limited, not left in the gateway's memory cgroup."""
+    task = "stalled"
+    hybrid.begin_turn(task, "first").complete()   # the task exists, with no limits yet
+    resume, saving = threading.Event(), threading.Event()
+    meta = hybrid.backend.meta
+    real_save = meta.save
+
+    def stalled_save(cg, record):
+        if record.turn_id == "slow" and not saving.is_set():
+            saving.set()      # the directory exists, the budgets were read: stall here
+            assert resume.wait(DEADLINE)
+        return real_save(cg, record)
+
+    monkeypatch.setattr(meta, "save", stalled_save)
+    made: list = []
+    creator = threading.Thread(target=lambda: made.append(hybrid.begin_turn(task, "slow")))
+    creator.start()
+    try:
+        assert saving.wait(DEADLINE), "the creator never reached its record"
+        hybrid.set_task_limits(task, Limits(memory_max=512 * MiB))  # waits 1 s for the record, in vain
+    finally:
+        resume.set()
+        creator.join(DEADLINE)
+    [turn] = made
+    proc = turn.spawn(LIVE)
+    try:
+        memory = v1_mirrors(hybrid.backend.root.path)["memory"]
+        assert _v1_memory_of(proc.pid) == os.path.join(memory, *turn.names)
+    finally:
+        turn.abandon("test over", grace=0)
+        proc.wait(30)
+
+
 # --- 2. promises a user reads ------------------------------------------------------------------------
 
 DAEMON = "sleep 300 </dev/null >/dev/null 2>&1 & echo $!"

@@ -28,7 +28,7 @@ from .base import Backend, Member, turn_environment
 from . import cgroup2_views
 from .cgroup2_isolation import TurnIsolation
 from .cgroup2_killer import CgroupKiller
-from .cgroup2_limiter import CgroupLimiter, limit_new_turn
+from .cgroup2_limiter import CgroupLimiter, budget_came_meanwhile, limit_new_turn
 from .cgroup2_limits import Layout
 from .cgroup2_placement import Placement
 from .metadata import MetadataStore
@@ -173,6 +173,10 @@ class Cgroup2Backend(Backend):
             try:
                 limit_new_turn(self.layout, self.root, record, cg, task, limits, new_task)
                 self.meta.save(cg, record)
+                if budget_came_meanwhile(self.layout, self.root, record, task):
+                    self.layout.make_v1_dirs(record.task_key, record.turn_key)
+                    won, _ = self.transition(record.task_key, record.turn_key, {RUNNING}, RUNNING, {"v1_dirs": True})
+                    record.v1_dirs = won   # not won: ended meanwhile, nothing will be spawned into it
             except BaseException:
                 cg.remove_tree(timeout=1.0)  # nothing is left behind by a turn that could not be made
                 self.layout.remove_v1_dirs(record.task_key, record.turn_key)

@@ -56,6 +56,17 @@ def limit_new_turn(layout: Layout, root: Cgroup, record: TurnRecord, cg: Cgroup,
     record.limits = None if limits.is_empty() else json.dumps(limits.to_stored())
 
 
+def budget_came_meanwhile(layout: Layout, root: Cgroup, record: TurnRecord, task: Cgroup) -> bool:
+    """Whether a new turn, just recorded without v1 directories, needs them after all: a task or root
+    budget in a v1 hierarchy was stored after `limit_new_turn` read the budgets. Its setter gives v1
+    directories to the turns it finds recorded, and waits only RECORD_WAIT for a directory's record; a
+    creator stalled longer than that between its mkdir and its record (stopped, swapped out) re-checks
+    here, after its record is written, so one of the two always sees the other."""
+    if record.v1_dirs or not layout.v1_dirs():
+        return False
+    return layout.uses_v1(layout.stored_limits(task)) or layout.uses_v1(layout.stored_limits(root))
+
+
 class CgroupLimiter:
     """Limits and figures for the turns below one managed root.
 
@@ -212,9 +223,9 @@ class CgroupLimiter:
                         continue  # removed meanwhile: nothing of it to limit
             unrecorded = self._turn_dirs(task_key) - done
             if not unrecorded or time.monotonic() >= deadline:
-                if unrecorded:
-                    log.warning("no record appeared within %g s for turn directories %s: left without v1 "
-                                "directories", RECORD_WAIT, sorted("/".join(n) for n in unrecorded))
+                if unrecorded:  # their creators re-check once recorded (budget_came_meanwhile)
+                    log.debug("no record appeared within %g s for turn directories %s: their creators give "
+                              "them v1 directories", RECORD_WAIT, sorted("/".join(n) for n in unrecorded))
                 return
             time.sleep(RECORD_POLL)  # a creator between its mkdir and its record write: microseconds
 
