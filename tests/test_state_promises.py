@@ -189,6 +189,31 @@ def test_a_turn_whose_creator_stalls_past_a_task_budget_still_gets_its_v1_dirs(h
         proc.wait(30)
 
 
+def test_a_pause_made_while_set_limits_moves_a_turn_stays(hybrid, monkeypatch):
+    """A user's pause that lands while Turn.set_limits holds the turn frozen to move it into its v1
+    directories is not undone by the end of that move."""
+    turn = hybrid.begin_turn("paused", "t")
+    proc = turn.spawn(LIVE)
+    limiter = hybrid.backend.limiter
+    real_join = limiter._join_all
+
+    def join_then_pause(record, cg, settled):
+        real_join(record, cg, settled)
+        turn.freeze()          # a `cgturn pause` in the middle of the move
+
+    monkeypatch.setattr(limiter, "_join_all", join_then_pause)
+    try:
+        turn.set_limits(Limits(memory_max=512 * MiB))
+        with open(os.path.join(hybrid.backend.root.path, *turn.names, "cgroup.events")) as f:
+            assert "frozen 1" in f.read().split("\n"), "the pause was thawed by set_limits"
+        assert turn.frozen
+        turn.thaw()
+        assert not turn.frozen
+    finally:
+        turn.abandon("test over", grace=0)
+        proc.wait(30)
+
+
 # --- 2. promises a user reads ------------------------------------------------------------------------
 
 DAEMON = "sleep 300 </dev/null >/dev/null 2>&1 & echo $!"

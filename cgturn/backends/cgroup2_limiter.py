@@ -15,7 +15,7 @@ import os
 import time
 from typing import Any, Callable, Iterable
 
-from ..errors import CgturnError, KernelError, LimitsUnavailable, NoSuchTurn
+from ..errors import CgturnError, KernelError, LimitsUnavailable, LockTimeout, NoSuchTurn
 from ..logfields import turn_fields
 from ..kernel.cgroupfs import Cgroup, child_entries
 from ..limits import Limits, Usage, stored_limits
@@ -29,7 +29,8 @@ FREEZE_TIMEOUT = 1.0
 RECORD_WAIT = 1.0
 RECORD_POLL = 0.002
 
-Transition = Callable[[str, str, Iterable[str], str, dict[str, Any]], tuple[bool, "TurnRecord | None"]]
+# The backend's atomic record change: (task_key, turn_key, allowed_from, to_state, updates, when=None).
+Transition = Callable[..., tuple[bool, "TurnRecord | None"]]
 
 
 def limit_new_turn(layout: Layout, root: Cgroup, record: TurnRecord, cg: Cgroup, task: Cgroup, limits: Limits,
@@ -256,8 +257,27 @@ class CgroupLimiter:
             self._join_all(record, cg, settled=frozen)
         finally:
             if not was_frozen:
-                cg.set_frozen(False)
+                self._thaw_unless_paused(record, cg)
         return record
+
+    def _thaw_unless_paused(self, record: TurnRecord, cg: Cgroup) -> None:
+        """End the move's freeze, unless a user or the guard paused the turn while it ran. Done under
+        the turn's lock: a pause marks the record (`frozen_by`) under that lock before it writes
+        cgroup.freeze (freezing.py), so either the mark is seen here or the pause's freeze comes
+        after this thaw. With the lock held past its bound, the record read without it decides."""
+        def thaw_if_unpaused(rec: TurnRecord) -> bool:
+            if rec.frozen_by is None:
+                cg.set_frozen(False)
+            return False  # nothing to record
+        try:
+            self._transition(record.task_key, record.turn_key, {record.state}, record.state, {},
+                             when=thaw_if_unpaused)
+        except LockTimeout as busy:
+            rec = next((r for r in self._records(record.task_key) if r.turn_key == record.turn_key), None)
+            log.warning("thawing turn %r after moving it into its v1 directories without its lock: %s",
+                        record.turn_id, busy, extra=turn_fields(record.task_id, record.turn_id))
+            if rec is None or rec.frozen_by is None:
+                cg.set_frozen(False)
 
     def _mark_v1_dirs(self, record: TurnRecord) -> TurnRecord:
         """Set `v1_dirs` in the turn's record, whatever state it moved to meanwhile."""
