@@ -10,16 +10,20 @@ the spawn that follows it are one step across processes (`spawn_keyed`).
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 from typing import TYPE_CHECKING, Any
 
-from .errors import AlreadyRunning
+from .errors import AlreadyRunning, LockTimeout
 from .ids import MAX_ID_BYTES, validate_text
 from .kernel import procfs
+from .logfields import turn_fields
 from .model import COMPLETED, RUNNING, Argv, TurnRecord
 
 if TYPE_CHECKING:
     from .backends.base import Backend
+
+log = logging.getLogger("cgturn")
 
 
 def validate(key: object) -> str:
@@ -63,6 +67,8 @@ def spawn_keyed(backend: "Backend", rec: TurnRecord, argv: Argv, key: str,
 
     Raises:
         AlreadyRunning: a live process of the task holds `key` (`.pid`).
+        LockTimeout: the turn's lock stayed held, so the key could not be recorded (the process
+            spawned for it was killed).
         ValueError: a key that cannot name a spawn; otherwise as `Turn.spawn`.
     """
     validate(key)
@@ -76,7 +82,17 @@ def spawn_keyed(backend: "Backend", rec: TurnRecord, argv: Argv, key: str,
         # Our unreaped child: its start time is its own (on cgroup2 the shim execs the target, same pid).
         started = procfs.start_time(proc.pid)
         if started is not None:  # None only once it is gone (and then it holds no key)
-            _note_key(backend, rec, key, (proc.pid, started))
+            try:
+                _note_key(backend, rec, key, (proc.pid, started))
+            except LockTimeout as busy:
+                # A key that is not recorded guards nothing: the process it was for must not run.
+                log.warning("killed process %d of turn %r of task %r: its key %r could not be recorded: %s",
+                            proc.pid, rec.turn_id, rec.task_id, key, busy,
+                            extra=turn_fields(rec.task_id, rec.turn_id, pids=[proc.pid]))
+                proc.kill()
+                proc.wait()
+                raise LockTimeout(busy.path, f"record key {key!r} of the process spawned into turn {rec.turn_id!r} "
+                                             f"(the process was killed)", busy.waited) from busy
     return proc
 
 

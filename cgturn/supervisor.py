@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from .turn import Turn
 
 from . import clocks, reasons, sentinel, watchdog
-from .errors import NoSuchTurn
+from .errors import LockTimeout, NoSuchTurn
 from .logfields import turn_fields
 from .model import COMPLETED, RUNNING, AbandonResult
 from .outcome import Outcome
@@ -304,8 +304,16 @@ class Supervisor:
                 if self.run_markers is not None:
                     self.run_markers.clear()
                 # Read by the completion itself, before it may remove the turn, figures and all.
-                won, self._usage = self.turn._complete(figures=True)
-            else:
+                try:
+                    won, self._usage = self.turn._complete(figures=True)
+                except LockTimeout as busy:
+                    # Completion never proceeds without the turn's lock; a supervised turn is never
+                    # left running unsupervised either: it is abandoned (the kill needs no lock).
+                    log.warning("cannot complete turn %r of task %r after its worker returned, so it is "
+                                "abandoned: %s", self.turn.turn_id, self.turn.task_id, busy,
+                                extra=turn_fields(self.turn.task_id, self.turn.turn_id, REASON_ERROR))
+                    error = busy
+            if error is not None:
                 self._error, won = error, False
             rec = None if won else self._control.record(*self.names)
             if error is None and not won and rec is not None:

@@ -4,7 +4,9 @@ a kill still kills.
 
 Each lock test starts a real process holding (or trying to hold) the flock, and ends it itself."""
 import contextlib
+import errno
 import fcntl
+import logging
 import os
 import stat
 import subprocess
@@ -17,9 +19,9 @@ import pytest
 
 from cgturn import CgturnError, TurnManager
 from cgturn.backends import guard_state
-from cgturn.errors import GuardUnavailable, LockTimeout
+from cgturn.errors import GuardUnavailable, KernelError, LockTimeout
 from cgturn.kernel import procfs
-from conftest import REPO, alive, force_spawn_path, turn_dir
+from conftest import REPO, alive, cli, force_spawn_path, turn_dir
 
 NOBODY_PY = "/usr/bin/python3"  # pyenv's interpreter under /root cannot be run by nobody
 AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
@@ -423,3 +425,116 @@ def test_limit_events_wait_for_the_turns_lock_and_reap_goes_on(cgroup2_manager):
     assert [r["reason"] for r in turn.check_limits()] == ["pids-max"]
     turn.abandon("test", grace=0)
     forks.wait(timeout=10)
+
+
+# --- a lock taken in the middle of an operation: the operation ends cleanly --------------------------
+
+
+def test_a_keyed_spawn_whose_key_cannot_be_recorded_kills_its_process(cgroup2_manager, monkeypatch):
+    """The turn's lock taken between the spawn and the record of its key: the spawn fails with a clear
+    LockTimeout naming the key, and the process it started does not run on unguarded."""
+    mgr = cgroup2_manager
+    turn = mgr.begin_turn("task", "turn")
+    backend = mgr._control.backend
+    real_spawn = backend.spawn
+    spawned = []
+    with contextlib.ExitStack() as hold:
+        def spawn_then_lock(rec, argv, kwargs):
+            proc = real_spawn(rec, argv, kwargs)
+            spawned.append(proc)
+            assert hold.enter_context(holder([turn_dir(mgr, turn)], nobody=False)) == ["locked"]
+            return proc
+
+        monkeypatch.setattr(backend, "spawn", spawn_then_lock)
+        err = bounded(lambda: turn.spawn(SLEEP, key="server")).get("error")
+        assert isinstance(err, LockTimeout) and "key 'server'" in str(err) and "killed" in str(err), err
+        assert spawned and spawned[0].returncode == -9
+        monkeypatch.undo()
+    proc = turn.spawn(SLEEP, key="server")   # free again: the key was never held
+    assert alive(proc.pid)
+    turn.abandon("test", grace=0)
+    proc.wait(timeout=10)
+
+
+def test_a_supervised_turn_that_cannot_be_completed_is_abandoned(cgroup2_manager):
+    """The worker returns while another process holds the turn's lock: the completion fails, and the
+    Supervisor abandons the turn (its kill needs no lock) instead of leaving it running unsupervised."""
+    from cgturn import Supervisor
+
+    mgr = cgroup2_manager
+    turn = mgr.begin_turn("task", "turn")
+    proc = turn.spawn(SLEEP)
+    with contextlib.ExitStack() as hold:
+        def worker():
+            assert hold.enter_context(holder([turn_dir(mgr, turn)], nobody=False)) == ["locked"]
+            return "done"
+
+        out = bounded(lambda: Supervisor(turn, grace=0, use_sentinel=False).run_blocking(worker))
+    outcome = out.get("value")
+    assert outcome is not None, out
+    assert not outcome.completed and isinstance(outcome.error, LockTimeout), outcome
+    assert proc.wait(timeout=10) == -9
+
+
+def _failing_freeze(mgr, turn, hold, monkeypatch):
+    """freeze_members that takes the turn's lock (another process) first; a freeze then fails as the
+    kernel would refuse it, a thaw is carried out."""
+    backend = mgr._control.backend
+    real = backend.freeze_members
+
+    def freeze_members(rec, frozen):
+        if frozen:
+            assert hold.enter_context(holder([turn_dir(mgr, turn)], nobody=False)) == ["locked"]
+            raise KernelError("write", os.path.join(turn_dir(mgr, turn), "cgroup.freeze"), OSError(errno.EBUSY, "busy"))
+        pids = real(rec, frozen)
+        assert hold.enter_context(holder([turn_dir(mgr, turn)], nobody=False)) == ["locked"]
+        return pids
+
+    monkeypatch.setattr(backend, "freeze_members", freeze_members)
+
+
+def test_a_failed_freeze_whose_mark_cannot_be_cleared_raises_its_own_error(cgroup2_manager, monkeypatch, caplog):
+    mgr = cgroup2_manager
+    turn = mgr.begin_turn("task", "turn")
+    with contextlib.ExitStack() as hold, caplog.at_level(logging.WARNING, logger="cgturn"):
+        _failing_freeze(mgr, turn, hold, monkeypatch)
+        err = bounded(turn.freeze).get("error")
+        assert isinstance(err, KernelError), err          # the freeze's error, not the lock's
+        assert "cannot clear the freeze mark of turn 'turn'" in caplog.text
+    monkeypatch.undo()
+    turn.thaw()     # sets the record right
+    assert not turn.frozen
+    turn.abandon("test", grace=0)
+
+
+def test_a_thaw_whose_mark_cannot_be_cleared_still_thaws(cgroup2_manager, monkeypatch, caplog):
+    mgr = cgroup2_manager
+    turn = mgr.begin_turn("task", "turn")
+    proc = turn.spawn(SLEEP)
+    turn.freeze()
+    events = os.path.join(turn_dir(mgr, turn), "cgroup.events")
+    with contextlib.ExitStack() as hold, caplog.at_level(logging.WARNING, logger="cgturn"):
+        _failing_freeze(mgr, turn, hold, monkeypatch)
+        out = bounded(turn.thaw)
+        assert "error" not in out, out
+        with open(events) as f:
+            assert "frozen 0" in f.read().splitlines()
+        assert "cannot clear the freeze mark of turn 'turn'" in caplog.text
+    monkeypatch.undo()
+    turn.thaw()
+    assert not turn.frozen
+    turn.abandon("test", grace=0)
+    proc.wait(timeout=10)
+
+
+def test_cgturn_stop_prints_what_its_abandon_could_not_record(cgroup2_manager, cgroup2_root, state_dir):
+    mgr = cgroup2_manager
+    turn = mgr.begin_turn("task", "turn")
+    proc = turn.spawn(SLEEP)
+    with holder([turn_dir(mgr, turn)], nobody=False) as got:
+        assert got == ["locked"]
+        out = cli(cgroup2_root, state_dir, "stop", "--grace", "0", "task", "turn")
+    assert out.returncode == 0, out.stderr
+    assert proc.wait(timeout=10) == -9
+    assert "abandoned turn 'turn'" in out.stdout
+    assert "cannot record the abandon: turn 'turn' of task 'task' was not marked abandoned" in out.stderr
