@@ -82,8 +82,12 @@ class Turn:
         """The stored record (`cgturn.TurnRecord`), read fresh: another process may have changed it.
 
         A turn whose directory is gone reads as its last known state (a running one as abandoned).
+        A read that finds the turn ended lets go of what this process holds for it (a network
+        namespace fd), so an owner without a Supervisor releases it as soon as it looks.
         """
         rec = self._backend.load(*self.names)
+        if rec is None or rec.state != RUNNING:
+            self._control.turn_ended_elsewhere(*self.names)
         if rec is None:
             return _gone(self._record)
         # Threads share this object (a watchdog reads while the worker completes): a read that
@@ -159,10 +163,14 @@ class Turn:
             FileNotFoundError / PermissionError: as Popen, for a missing or non-executable program.
         """
         # The backend checks that the turn is still running, at the moment that makes it race-free.
-        if key is not None:
-            proc = self._control.spawn_keyed(self._record, argv, key, popen_kwargs)
-        else:
-            proc = self._backend.spawn(self._record, argv, popen_kwargs)
+        try:
+            if key is not None:
+                proc = self._control.spawn_keyed(self._record, argv, key, popen_kwargs)
+            else:
+                proc = self._backend.spawn(self._record, argv, popen_kwargs)
+        except NoSuchTurn:
+            self._control.turn_ended_elsewhere(*self.names)  # ended: what this process held for it goes
+            raise
         proc.args = argv  # Popen's own rule: what the caller passed, not a shim's command line
         return proc
 

@@ -397,3 +397,23 @@ def test_an_owner_lets_go_of_the_netns_of_a_turn_another_process_ended(cgroup2_m
     proc.wait(30)
     proc.stdout.close()
     assert netns not in _netns_fds()
+
+
+@pytest.mark.parametrize("learns", ["state", "spawn"])
+def test_an_owner_without_a_supervisor_lets_go_of_the_netns_when_it_looks(cgroup2_manager, cgroup2_root, state_dir,
+                                                                         learns):
+    """network="none", a bare Turn: once `cgturn stop` (another process) ended it, the owner closes its
+    namespace fd the first time its Turn finds out (reading the state, or a refused spawn), not at its
+    next begin_turn."""
+    before = _netns_fds()
+    turn = cgroup2_manager.begin_turn("net", "bare", network="none")
+    [netns] = _netns_fds() - before
+    out = cli(cgroup2_root, state_dir, "stop", "net", "bare", "--grace", "0")
+    assert out.returncode == 0, out.stderr
+    assert netns in _netns_fds()   # nothing has told the owner yet
+    if learns == "state":
+        assert turn.state == "abandoned"
+    else:
+        with pytest.raises(NoSuchTurn):
+            turn.spawn(["true"])
+    assert netns not in _netns_fds()
