@@ -5,15 +5,18 @@ One pass per turn over the backend's views, one sock_diag dump for the whole lis
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
-from . import keys
+from . import ids, keys
 from .backends.base import Backend
+from .kernel import procfs
 from .limits import stored_limits
 from .logfields import turn_fields
-from .model import TurnInfo
+from .model import COMPLETED, TurnInfo
 
 if TYPE_CHECKING:
+    from .control import TurnControl
     from .governance import Limiter
 
 log = logging.getLogger("cgturn")
@@ -60,6 +63,27 @@ def list_turns(backend: Backend, limiter: "Limiter | None", task_key: str | None
             info.frozen = rec.frozen_by is not None or backend.turn_frozen(rec)
         out.append(info)
     out.sort(key=lambda info: (info.started_at, info.task, info.turn))
+    return out
+
+
+def without_own_emptied(control: "TurnControl", infos: list[TurnInfo]) -> list[TurnInfo]:
+    """`infos` less the completed turns this process owns whose survivors have all exited, which are
+    removed (as completion removes one that is empty at once; recovery.remove_emptied). Where no
+    sentinel runs, the owner's listing is what removes them; another process's listing (`cgturn ps`)
+    removes nothing: those wait for their owner, its sentinel or `cgturn reap`."""
+    me = os.getpid()
+    if not any(info.state == COMPLETED and not info.pids and info.owner_pid == me for info in infos):
+        return infos
+    from . import recovery  # only when there is one to remove
+
+    mine = procfs.own_start_time()
+    out = []
+    for info in infos:
+        if info.state == COMPLETED and not info.pids and info.owner_pid == me:
+            rec = control.record(ids.encode(info.task), ids.encode(info.turn))
+            if rec is not None and rec.owner_start == mine and recovery.remove_emptied(control, rec):
+                continue
+        out.append(info)
     return out
 
 

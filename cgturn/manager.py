@@ -192,7 +192,8 @@ class TurnManager:
     def turns(self, task_id: str | None = None, *, detail: bool = False) -> list[TurnInfo]:
         """What `cgturn ps` shows: every existing turn (of one task), with its live processes.
 
-        A turn whose record cannot be trusted is listed with state "corrupt".
+        A turn whose record cannot be trusted is listed with state "corrupt". A completed turn this
+        process owns whose survivors have all exited is removed here, not listed.
 
         Args:
             task_id: only this task's turns (a blank or invalid id lists nothing).
@@ -200,8 +201,8 @@ class TurnManager:
         """
         if task_id is not None and not compat.valid_id(task_id):
             return []
-        return listing.list_turns(self.backend, self._governance.limiter,
-                                  None if task_id is None else ids.encode(task_id), detail)
+        return listing.without_own_emptied(self._control, listing.list_turns(
+            self.backend, self._governance.limiter, None if task_id is None else ids.encode(task_id), detail))
 
     async def aturns(self, task_id: str | None = None, *, detail: bool = False) -> list[TurnInfo]:
         """`turns` for asyncio (a listing of thousands of turns takes tens of ms): in a worker thread."""

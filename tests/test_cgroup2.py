@@ -307,6 +307,7 @@ def test_repeated_listings_see_every_record_write_of_another_manager(cgroup2_roo
 
 def test_listings_trust_parsed_records_only_while_the_task_generation_holds(mgr):
     turn = mgr.begin_turn("gen", "t")
+    proc = turn.spawn(["sleep", "300"])  # not empty: the owner's listing removes an emptied completed turn
     path = turn_dir(mgr, turn)
     assert [i.state for i in mgr.turns()] == ["running"]
     forged = json.loads(os.getxattr(path, XATTR_KEY))
@@ -315,7 +316,8 @@ def test_listings_trust_parsed_records_only_while_the_task_generation_holds(mgr)
     assert [i.state for i in mgr.turns()] == ["running"]  # proof that the parsed record was reused
     os.removexattr(os.path.dirname(path), GENERATION_KEY)
     assert [i.state for i in mgr.turns()] == ["completed"]  # no token: nothing is reused
-    turn.complete()
+    turn.abandon("test", grace=0, force=True)
+    proc.wait(timeout=10)
 
 
 def open_fds() -> set[int]:

@@ -417,3 +417,35 @@ def test_an_owner_without_a_supervisor_lets_go_of_the_netns_when_it_looks(cgroup
         with pytest.raises(NoSuchTurn):
             turn.spawn(["true"])
     assert netns not in _netns_fds()
+
+
+@pytest.mark.parametrize("backend", ["cgroup2", "registry"])
+def test_a_completed_turn_whose_survivors_exit_is_removed_by_its_owners_listing(cgroup2_root, state_dir, backend):
+    """No sentinel: once the survivors of a completed turn have exited, the owner's next `turns()`
+    removes the turn (its cgroup, or its registry row) instead of listing it; `cgturn ps` from another
+    process, read-only, lists it until then and removes nothing."""
+    from cgturn import TurnManager
+
+    mgr = TurnManager(root=cgroup2_root, backend=backend, state_dir=state_dir, sentinel=False)
+    try:
+        turn = mgr.begin_turn("quiet", "t")
+        daemon = int(turn.spawn(["sh", "-c", DAEMON], stdout=subprocess.PIPE, text=True).communicate(timeout=30)[0])
+        turn.complete()
+        assert [(i.turn, i.state, i.pids) for i in mgr.turns("quiet")] == [("t", "completed", [daemon])]
+        os.kill(daemon, signal.SIGKILL)   # the survivor (this test started it) exits
+        assert wait_until(lambda: not alive(daemon), timeout=DEADLINE)
+        out = cli(cgroup2_root, state_dir, "ps", "--json", backend=backend)
+        assert out.returncode == 0, out.stderr
+        [row] = json.loads(out.stdout)
+        assert row["state"] == "completed" and row["pids"] == []   # another process's listing keeps it
+        assert mgr.turns("quiet") == []
+        assert mgr.turns() == []
+        if backend == "cgroup2":
+            assert not os.path.exists(os.path.join(cgroup2_root, *turn.names))
+        else:
+            assert mgr.backend.records() == []
+        later = mgr.begin_turn("quiet", "t")    # its names are free again
+        later.complete()
+    finally:
+        mgr.end_task("quiet", grace=0)
+        mgr.close()
