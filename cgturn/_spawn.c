@@ -10,7 +10,9 @@
  * execs or exits, so the parent's memory (argv, envp, the stack buffer) stays valid for the child.
  *
  * Failures before or at exec are written to a CLOEXEC pipe as "OSError:<hex errno>:<stage>", the
- * format _posixsubprocess uses; an exec that succeeds closes the pipe, so the parent reads EOF.
+ * format _posixsubprocess uses; an exec that succeeds closes the pipe, so the parent reads EOF. The
+ * child also leaves its errno in the parent's memory first (struct child_failure), for the case where
+ * its memory cgroup cannot take the pipe's buffer.
  *
  * spawn() reads as its steps: parse the arguments, convert them to the C arrays the child reads,
  * clone (plain, or checked under the directory's lock), read the child's report, release what the
@@ -77,7 +79,18 @@ struct clone_args_v2 {  /* struct clone_args up to CLONE_ARGS_SIZE_VER2 (Linux 5
         set_tid_size, cgroup;
 };
 
+/* The child's failure, written into the parent's memory (CLONE_VM) just before its report goes to the
+ * pipe: the pipe may not take it. A pipe buffer page is charged to the writer's memory cgroup
+ * (pipe_write allocates it with __GFP_ACCOUNT), and a turn, task or root limited to less than one page
+ * cannot grow by one, so the write fails with ENOMEM and the child's exit (255) would look like an exec
+ * that worked. The parent reads this once the child has exec'd or exited (CLONE_VFORK). */
+struct child_failure {
+    volatile int err;           /* 0: no failure reported */
+    const char *volatile stage;
+};
+
 struct child {
+    struct child_failure *failure;
     char *const *argv;
     char *const *envp;          /* NULL: the parent's environ */
     char *const *exec_list;     /* candidate paths, tried in order (Popen's PATH search) */
@@ -122,6 +135,8 @@ static void report(const struct child *c, int err, const char *stage)
     buf[pos++] = ':';
     for (i = 0; stage[i] && pos < sizeof(buf); i++)
         buf[pos++] = stage[i];
+    c->failure->stage = stage;
+    c->failure->err = err ? err : EIO;  /* a failure always reads as one, even without an errno */
     write_all(c->errpipe_write, buf, pos);
 }
 
@@ -807,10 +822,11 @@ static long clone_request(const struct request *rq, const struct checked *chk, s
     return pid;
 }
 
-/* Step 4, the result: the child's report, if it wrote one, from the pipe. CLONE_VFORK: the child
+/* Step 4, the result: the child's report, if it wrote one, from the pipe, else from the parent's memory
+ * (struct child_failure: a pipe the child's memory cgroup could not write to). CLONE_VFORK: the child
  * has exec'd (its copy of the pipe closes with the exec) or reported and exited; EOF comes at once
  * either way. */
-static PyObject *child_result(long pid, int errread_fd)
+static PyObject *child_result(long pid, int errread_fd, const struct child_failure *failure)
 {
     char report_buf[256];
     ssize_t got = 0, n;
@@ -824,9 +840,10 @@ static PyObject *child_result(long pid, int errread_fd)
         got += n;
     }
     Py_END_ALLOW_THREADS
-    if (got == 0)
+    if (got == 0 && failure->err == 0)
         return PyLong_FromLong(pid);
-    PyObject *report = PyBytes_FromStringAndSize(report_buf, got);
+    PyObject *report = got > 0 ? PyBytes_FromStringAndSize(report_buf, got)
+                               : PyBytes_FromFormat("OSError:%x:%s", (unsigned int)failure->err, failure->stage);
     return report ? Py_BuildValue("(lN)", pid, report) : NULL;  /* N: the tuple takes the reference */
 }
 
@@ -856,11 +873,13 @@ static PyObject *spawn(PyObject *self, PyObject *a)
     struct request rq;
     struct checked chk;
     struct child c;
+    struct child_failure failure = {0, ""};
     struct held h;
     memset(&rq, 0, sizeof rq);
     memset(&chk, 0, sizeof chk);
     memset(&c, 0, sizeof c);
     memset(&h, 0, sizeof h);
+    c.failure = &failure;
     h.errfds[0] = h.errfds[1] = -1;
     PyObject *result = NULL;
     if (parse_request(a, &rq, &chk, &c, &h) && convert_request(&rq, &chk, &c, &h)) {
@@ -874,7 +893,7 @@ static PyObject *spawn(PyObject *self, PyObject *a)
             errno = (int)-pid;
             PyErr_SetFromErrno(PyExc_OSError);
         } else if (pid > 0) {
-            result = child_result(pid, h.errfds[0]);
+            result = child_result(pid, h.errfds[0], &failure);
         }
     }
     release_held(&h);

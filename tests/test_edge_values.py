@@ -251,6 +251,41 @@ def test_each_spawn_path_gives_a_documented_outcome_in_a_tiny_memory_limit(cgrou
         turn.abandon("test", grace=0)
 
 
+@pytest.mark.parametrize("level", ["turn", "task", "root"])
+@pytest.mark.parametrize("path", testing.SPAWN_PATHS)
+def test_a_memory_limit_under_one_page_at_any_level_is_a_clear_spawn_error(cgroup2_manager, path, level):
+    """Below one page the kernel leaves a spawn no memory at all: the native child cannot even write
+    its failed exec to its pipe (the pipe's buffer is charged to its memory cgroup), and the shim is
+    OOM-killed before it can speak. Turn.spawn raises ENOMEM on every path — never a process that
+    seems to have started and exits 255 — or, where the kernel cannot make the turn's v1 memory
+    cgroup below such a budget, begin_turn says so."""
+    why = testing.spawn_path_unavailable(path)
+    if why:
+        pytest.skip(why)
+    tiny = Limits(memory_max=100)
+    if level == "root":
+        cgroup2_manager.set_limits(tiny)
+    elif level == "task":
+        cgroup2_manager.set_task_limits("tiny", tiny)
+    try:
+        turn = cgroup2_manager.begin_turn("tiny", limits=tiny if level == "turn" else None)
+    except KernelError as err:  # v1 charges the new cgroup's own structures: ENOMEM at its mkdir
+        assert level != "turn" and err.errno == errno.ENOMEM and "memory" in err.path, err
+        return
+    try:
+        with testing.forced_spawn_path(path):
+            try:
+                proc = turn.spawn(["echo", "ran"], stdout=subprocess.PIPE)
+            except OSError as err:
+                assert err.errno == errno.ENOMEM, err
+            else:
+                out, _ = proc.communicate(timeout=30)
+                pytest.fail(f"spawn looked clean: the process exited {proc.returncode} with {out!r}")
+        assert turn.pids() == []
+    finally:
+        turn.abandon("test", grace=0)
+
+
 # --- pass_fds as Popen checks it, on every spawn path ----------------------------------------------
 
 @pytest.mark.parametrize("fds", [(2 ** 32 + 1,), (-1,), (2 ** 31,), (2 ** 70,), (3, -5)])

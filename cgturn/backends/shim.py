@@ -13,6 +13,7 @@ what the caller asked to run.)
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import subprocess
 from typing import Callable
@@ -57,9 +58,11 @@ def spawn(record: TurnRecord, target: SpawnTarget, meta: MetadataStore, hooks: S
     Raises:
         NoSuchTurn: the turn ended (marked, or its directory gone) while spawning; nothing ran.
         ValueError: a refused option, or an unknown user or group (before anything started).
-        OSError: as Popen, for the target program (FileNotFoundError, PermissionError, ...).
+        OSError: as Popen, for the target program (FileNotFoundError, PermissionError, ...);
+            ENOMEM when the turn's, its task's or the root's memory limit is under one page.
     """
     argv, program, kwargs, identity = prepare_spawn(argv, popen_kwargs)
+    _refuse_under_one_page(record, target, program)
     # Run by the shim after "go", in this order: inside the turn, as the caller, before the target.
     steps = isolation.drop_privileges(identity, record.sealed)
     if record.sealed:  # read per spawn: the host may have mounted a hierarchy since
@@ -103,6 +106,31 @@ def spawn(record: TurnRecord, target: SpawnTarget, meta: MetadataStore, hooks: S
         raise NoSuchTurn(f"turn {record.turn_id!r} of task {record.task_id!r} ended while spawning")
     gates.release(gate, proc.pid)
     return proc
+
+
+# A memory limit under one page: the kernel rounds it down to 0 pages, and the shim is OOM-killed at its
+# first page fault after joining, before it can say why (the native path gets its child's errno through
+# shared memory instead: _spawn.c). Said before anything starts: levels turn, task, managed root.
+_MEMORY_LIMIT_FILES = ("memory.max", "memory.limit_in_bytes")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _refuse_under_one_page(record: TurnRecord, target: SpawnTarget, program: str) -> None:
+    """Raise OSError(ENOMEM) when a memory limit of the turn, its task or the managed root, in cgroup
+    v2 or a v1 hierarchy, is less than one page: nothing can run there."""
+    for turn_dir in (target.cgroup_dir, *(os.path.dirname(procs) for procs in target.v1_procs)):
+        level = turn_dir
+        for _ in range(3):
+            for name in _MEMORY_LIMIT_FILES:
+                try:
+                    with open(os.path.join(level, name)) as f:
+                        text = f.read().strip()
+                except OSError:
+                    continue
+                if text.isdigit() and int(text) < _PAGE:
+                    raise OSError(errno.ENOMEM, f"cannot start {program!r} in turn {record.turn_id!r}: the memory "
+                                                f"limit of {level} is {text} bytes, less than one page ({_PAGE})")
+            level = os.path.dirname(level)
 
 
 def _abort(gates: SpawnGates, gate, proc: subprocess.Popen) -> None:
