@@ -156,43 +156,33 @@ def _cpu_in_v1(manager) -> bool:
     return "cpu" in testing.v1_dirs(manager)
 
 
-def test_a_limit_the_kernel_refuses_at_begin_turn_leaves_no_directory(cgroup2_manager, cgroup2_root):
+# How each call meets the refused budget: begin_turn with the turn's own limits, set_task_limits
+# with the task's (on a task that has no directory yet, then on one a turn keeps).
+REFUSED_CALLS = {
+    "begin_turn": lambda mgr: mgr.begin_turn("refused", limits=Limits(cpus=2)),
+    "set_task_limits": lambda mgr: mgr.set_task_limits("refused", Limits(cpus=2, pids_max=50)),
+}
+
+
+@pytest.mark.parametrize("call", sorted(REFUSED_CALLS))
+def test_a_limit_the_kernel_refuses_on_a_new_task_leaves_no_directory(cgroup2_manager, cgroup2_root, call):
     # v1 refuses a child CFS quota above its parent's (kernel/sched/core.c, tg_cfs_schedulable_down):
     # the one limit write this host's kernel refuses after every value check passed.
     cgroup2_manager.set_limits(Limits(cpus=1))
     if not _cpu_in_v1(cgroup2_manager):
         pytest.skip("needs the cpu controller in a v1 hierarchy (a hybrid host)")
+    refused = REFUSED_CALLS[call]
     before = hierarchies(cgroup2_root)
     for _ in range(2):  # the second time the task is new again: the first left nothing behind
         with pytest.raises(KernelError, match="cfs_quota_us"):
-            cgroup2_manager.begin_turn("refused", limits=Limits(cpus=2))
-        assert hierarchies(cgroup2_root) == before
-    # a task that exists keeps its directory (another turn of it is there)
-    kept = cgroup2_manager.begin_turn("refused", "kept")
-    try:
-        with_kept = hierarchies(cgroup2_root)
-        with pytest.raises(KernelError):
-            cgroup2_manager.begin_turn("refused", limits=Limits(cpus=2))
-        assert hierarchies(cgroup2_root) == with_kept
-    finally:
-        kept.abandon("test", grace=0)
-
-
-def test_a_task_budget_the_kernel_refuses_on_a_new_task_leaves_no_directory(cgroup2_manager, cgroup2_root):
-    cgroup2_manager.set_limits(Limits(cpus=1))
-    if not _cpu_in_v1(cgroup2_manager):
-        pytest.skip("needs the cpu controller in a v1 hierarchy (a hybrid host)")
-    before = hierarchies(cgroup2_root)
-    for _ in range(2):  # the second time the task is new again: the first left nothing behind
-        with pytest.raises(KernelError, match="cfs_quota_us"):
-            cgroup2_manager.set_task_limits("refused", Limits(cpus=2, pids_max=50))
+            refused(cgroup2_manager)
         assert hierarchies(cgroup2_root) == before   # neither the v2 task directory nor its v1 ones
-    # a task that has a turn keeps its directories
+    # a task that exists keeps its directories (another turn of it is there)
     kept = cgroup2_manager.begin_turn("refused", "kept", limits=Limits(pids_max=10))
     try:
         with_kept = hierarchies(cgroup2_root)
         with pytest.raises(KernelError):
-            cgroup2_manager.set_task_limits("refused", Limits(cpus=2))
+            refused(cgroup2_manager)
         assert hierarchies(cgroup2_root) == with_kept
     finally:
         kept.abandon("test", grace=0)
