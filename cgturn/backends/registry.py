@@ -57,6 +57,9 @@ DB_NAME = "registry.sqlite3"
 RESCAN_INTERVAL = 0.02
 # pidfds polled at once by wait_empty; the periodic re-scan covers the rest.
 MAX_POLL_FDS = 256
+# Turns whose recorded processes this process keeps (for a kill the database cannot serve) before it
+# drops those whose rows are gone: turns another process ended and removed.
+KNOWN_PRUNE_AT = 256
 
 
 # --- the backend ----------------------------------------------------------------------------------
@@ -90,6 +93,7 @@ class RegistryBackend(Backend):
         # Processes this process recorded, per turn: what a kill still knows when the database cannot
         # be read.
         self._known: dict[tuple[str, str], set[Member]] = {}
+        self._unreadable: set[tuple[str, str]] = set()  # turns whose processes the database would not list
         self._unforgotten = RefusedDeletes(self.db)  # killed turns' rows the database would not delete
         self.killer = RegistryKiller(lambda rec, protected: self._collect(rec, Snapshot(self.scope), protected),
                                      self._expect_orphans)
@@ -128,6 +132,9 @@ class RegistryBackend(Backend):
             raise IsolationUnavailable("the registry backend cannot seal a turn or give it a network of its own")
         self._ensure_collector()
         self._unforgotten.retry()
+        if len(self._known) > KNOWN_PRUNE_AT:  # turns another process ended and removed: forget them
+            alive = set(self.db.read("SELECT task_key, turn_key FROM turns"))
+            self._known = {names: members for names, members in self._known.items() if names in alive}
         with self.db.write() as conn:
             old = self.db.load(conn, record.task_key, record.turn_key)
             if old is not None:
@@ -223,6 +230,9 @@ class RegistryBackend(Backend):
                                 (record.task_key, record.turn_key))
         except RegistryUnavailable as err:
             known = sorted(self._known.get((record.task_key, record.turn_key), ()))
+            if (record.task_key, record.turn_key) in self._unreadable:
+                return known
+            self._unreadable.add((record.task_key, record.turn_key))  # said once per turn: kills re-collect often
             log.warning("cannot read the processes of turn %r of task %r from the registry (%s): using the %d "
                         "this process recorded and the turn's environment", record.turn_id, record.task_id, err,
                         len(known), extra=turn_fields(record.task_id, record.turn_id, record.reason))
@@ -331,6 +341,7 @@ class RegistryBackend(Backend):
                         record.turn_id, record.task_id, err,
                         extra=turn_fields(record.task_id, record.turn_id, record.reason))
         self._known.pop((record.task_key, record.turn_key), None)
+        self._unreadable.discard((record.task_key, record.turn_key))
         return True
 
     def task_keys(self) -> list[str]:
