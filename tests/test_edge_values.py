@@ -276,6 +276,26 @@ def test_a_memory_limit_under_one_page_at_any_level_is_a_clear_spawn_error(cgrou
         turn.abandon("test", grace=0)
 
 
+def test_the_clone3_child_reports_its_errno_when_its_pipe_cannot_take_it(cgroup2_manager, monkeypatch):
+    """Past the check above (a limit lowered between it and the clone): the clone3 child's failed exec
+    still reaches the parent, through the memory it shares with it until exec, though its memory cgroup
+    cannot grow the pipe's buffer for its report."""
+    why = testing.spawn_path_unavailable("clone3")
+    if why:
+        pytest.skip(why)
+    from cgturn.backends import shim
+
+    monkeypatch.setattr(shim, "refuse_under_one_page", lambda *args: None, raising=False)
+    turn = cgroup2_manager.begin_turn("tiny", limits=Limits(memory_max=100))
+    try:
+        with testing.forced_spawn_path("clone3"), pytest.raises(OSError) as err:
+            proc = turn.spawn(["echo", "ran"], stdout=subprocess.PIPE)
+            pytest.fail(f"spawn looked clean: the process exited {proc.wait(timeout=30)}")
+        assert err.value.errno in (errno.ENOMEM, errno.E2BIG), err.value
+    finally:
+        turn.abandon("test", grace=0)
+
+
 # --- pass_fds as Popen checks it, on every spawn path ----------------------------------------------
 
 @pytest.mark.parametrize("fds", [(2 ** 32 + 1,), (-1,), (2 ** 31,), (2 ** 70,), (3, -5)])

@@ -58,11 +58,9 @@ def spawn(record: TurnRecord, target: SpawnTarget, meta: MetadataStore, hooks: S
     Raises:
         NoSuchTurn: the turn ended (marked, or its directory gone) while spawning; nothing ran.
         ValueError: a refused option, or an unknown user or group (before anything started).
-        OSError: as Popen, for the target program (FileNotFoundError, PermissionError, ...);
-            ENOMEM when the turn's, its task's or the root's memory limit is under one page.
+        OSError: as Popen, for the target program (FileNotFoundError, PermissionError, ...).
     """
     argv, program, kwargs, identity = prepare_spawn(argv, popen_kwargs)
-    _refuse_under_one_page(record, target, program)
     # Run by the shim after "go", in this order: inside the turn, as the caller, before the target.
     steps = isolation.drop_privileges(identity, record.sealed)
     if record.sealed:  # read per spawn: the host may have mounted a hierarchy since
@@ -108,28 +106,32 @@ def spawn(record: TurnRecord, target: SpawnTarget, meta: MetadataStore, hooks: S
     return proc
 
 
-# A memory limit under one page: the kernel rounds it down to 0 pages, and the shim is OOM-killed at its
-# first page fault after joining, before it can say why (the native path gets its child's errno through
-# shared memory instead: _spawn.c). Said before anything starts: levels turn, task, managed root.
-_MEMORY_LIMIT_FILES = ("memory.max", "memory.limit_in_bytes")
+# A memory limit under one page: the kernel rounds it down to 0 pages. The shim is OOM-killed at its
+# first page fault after joining, before it can say why; glibc's posix_spawn child (CLONE_VFORK) was
+# seen to hang there on Linux 6.12 with cgroup v2, its caller with it (the OOM killer skips a task in
+# vfork: oom_badness, mm/oom_kill.c). Said before anything starts, for every path: levels turn, task,
+# managed root; v2 `memory.max` in the turn's directory and its two parents, v1 `memory.limit_in_bytes`
+# in its v1 directories' (only the memory one has it).
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def _refuse_under_one_page(record: TurnRecord, target: SpawnTarget, program: str) -> None:
+def refuse_under_one_page(record: TurnRecord, target: SpawnTarget, program: str) -> None:
     """Raise OSError(ENOMEM) when a memory limit of the turn, its task or the managed root, in cgroup
     v2 or a v1 hierarchy, is less than one page: nothing can run there."""
-    for turn_dir in (target.cgroup_dir, *(os.path.dirname(procs) for procs in target.v1_procs)):
+    places = [(target.cgroup_dir, "memory.max")]
+    places += [(os.path.dirname(procs), "memory.limit_in_bytes") for procs in target.v1_procs if "/memory" in procs]
+    for turn_dir, name in places:
         level = turn_dir
         for _ in range(3):
-            for name in _MEMORY_LIMIT_FILES:
-                try:
-                    with open(os.path.join(level, name)) as f:
-                        text = f.read().strip()
-                except OSError:
-                    continue
-                if text.isdigit() and int(text) < _PAGE:
-                    raise OSError(errno.ENOMEM, f"cannot start {program!r} in turn {record.turn_id!r}: the memory "
-                                                f"limit of {level} is {text} bytes, less than one page ({_PAGE})")
+            try:
+                with open(os.path.join(level, name), "rb") as f:
+                    text = f.read().strip()
+            except OSError:  # no memory controller at this level (one above may still have one)
+                level = os.path.dirname(level)
+                continue
+            if text.isdigit() and int(text) < _PAGE:
+                raise OSError(errno.ENOMEM, f"cannot start {program!r} in turn {record.turn_id!r}: the memory "
+                                            f"limit of {level} is {text.decode()} bytes, less than one page ({_PAGE})")
             level = os.path.dirname(level)
 
 

@@ -110,8 +110,10 @@ def spawn(record: "TurnRecord", where: SpawnTarget, meta: MetadataStore, hooks: 
         NoSuchTurn: the turn is not running (marked, or its directory gone); nothing ran.
         KernelError: the child could not join the turn's v1 cgroups for another reason.
         ValueError: a refused option, or an unknown user or group.
-        OSError: as Popen, for the target program (FileNotFoundError, PermissionError, ...).
+        OSError: as Popen, for the target program (FileNotFoundError, PermissionError, ...); ENOMEM
+            when a memory limit of the turn, its task or the root is under one page (nothing can run).
     """
+    shim.refuse_under_one_page(record, where, str(argv[0]) if argv else "")
     way = choose(record, popen_kwargs)
     if way != SHIM:
         proc = _spawn_native(record, where, meta, way, argv, popen_kwargs)
