@@ -149,6 +149,11 @@ class TurnControl:
         Raises:
             UnsafeOperation: the turn holds the caller, one of its ancestors or PID 1.
         """
+        with procfs.protected_once():  # the caller, its ancestors and PID 1: read once for the whole abandon
+            return self._abandon_turn(task_key, turn_key, reason, grace, force, when)
+
+    def _abandon_turn(self, task_key: str, turn_key: str, reason: str, grace: float, force: bool,
+                      when: Callable[[TurnRecord], bool] | None) -> AbandonResult:
         rec = self.backend.load(task_key, turn_key)
         if rec is None:
             return AbandonResult(skipped=True, reason=reason)
@@ -162,8 +167,12 @@ class TurnControl:
             return self._abandon_unmarked(task_key, turn_key, reason, grace, allowed, updates, when, busy)
         if not won or rec is None:
             return AbandonResult(skipped=True, reason=(rec.reason if rec else None) or reason)
-        result = killing.kill_turn(self.backend, rec, reason, grace, self.state_dir,
-                                   before_removal=self.governance.audit_limits_quietly,
+        marked = rec  # as written under the lock: its audited limit counters are current
+
+        def audit_limits(task: str, turn: str, usage: Usage) -> None:
+            self.governance.audit_limits_quietly(task, turn, usage, marked)
+
+        result = killing.kill_turn(self.backend, rec, reason, grace, self.state_dir, before_removal=audit_limits,
                                    limiter=self.governance.limiter)
         self._ended(rec, result)
         return result
