@@ -151,3 +151,18 @@ def test_a_thread_count_is_read_from_the_kernel():
     finally:
         stop.set()
         thread.join()
+
+
+def test_ps_json_is_one_array_with_a_turn_per_line(cgroup2_manager, cgroup2_root, state_dir):
+    from conftest import cli
+
+    turns = [cgroup2_manager.begin_turn("fast", f"t{i}") for i in range(3)]
+    out = cli(cgroup2_root, state_dir, "ps", "--json")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "[" and lines[-1] == "]" and len(lines) == 2 + len(turns)
+    assert [json.loads(line.rstrip(","))["turn"] for line in lines[1:-1]] == ["t0", "t1", "t2"]
+    assert json.loads(out.stdout) == [json.loads(line.rstrip(",")) for line in lines[1:-1]]
+    for turn in turns:
+        turn.complete()
+    assert cli(cgroup2_root, state_dir, "ps", "--json").stdout == "[]\n"
