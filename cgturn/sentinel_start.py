@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 SENTINEL_NAME = "cgturn-sentinel"
 
 
-def start(manager: "TurnManager", fd: int) -> "subprocess.Popen | ForkedSentinel":
+def start(manager: "TurnManager", fd: int) -> "subprocess.Popen[bytes] | ForkedSentinel":
     """Start the sentinel in its own session, outside any turn, holding `fd`: forked from this very
     process when it runs one thread (no second interpreter start and import of cgturn: most of
     `cgturn run`'s start-up), else `python -m cgturn.sentinel_main` (fork(2) copies only the calling
