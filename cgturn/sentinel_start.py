@@ -7,6 +7,7 @@ only its end of the channel, and the owner waits for its `ready` before any turn
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -90,6 +91,10 @@ def _leave_owner(fd: int) -> None:
     """In the forked child: what `subprocess.Popen(start_new_session=True, stdio /dev/null,
     pass_fds=(fd,))` and a fresh interpreter give the exec'd sentinel."""
     os.setsid()
+    # The owner's objects stay where the fork left them, shared with the owner page by page until
+    # written: the collector must never walk them (a full collection would touch, and so copy, every
+    # page of the owner's heap into this process). gc.freeze(): "avoid copy-on-write" (gc docs).
+    gc.freeze()
     # Its command line stays the owner's (a fork keeps argv): its name says what it is.
     processes.set_own_name(SENTINEL_NAME)
     null = os.open(os.devnull, os.O_RDWR)
