@@ -91,18 +91,24 @@ def kernel_floor(parent: str, n: int) -> float:
     os.write(kill, b"1")
     while b"populated 0" not in os.pread(events, 4096, 0):
         os.sched_yield()
-    while True:
-        try:
-            os.rmdir(path)
-            break
-        except OSError as err:
-            if err.errno != errno.EBUSY:
-                raise
+    while not _removed(path):  # EBUSY while the kernel finishes its own bookkeeping
+        pass
     elapsed = time.perf_counter() - t0
-    os.close(kill)
-    os.close(events)
+    for fd in (kill, events):
+        os.close(fd)
     proc.wait()
     return elapsed
+
+
+def _removed(path: str) -> bool:
+    """rmdir `path`: True once done, False on EBUSY (anything else raises)."""
+    try:
+        os.rmdir(path)
+    except OSError as err:
+        if err.errno == errno.EBUSY:
+            return False
+        raise
+    return True
 
 
 def registry_manager(state_root: str) -> TurnManager:
