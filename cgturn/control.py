@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
-import sqlite3
-import subprocess
+import sys
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import freezing, ids, keys, killing, leases, reasons
 from .backends.base import Backend
@@ -28,10 +27,21 @@ from .limits import Limits, Usage
 from .logfields import turn_fields
 from .model import ABANDONED, COMPLETED, CORRUPT, RUNNING, AbandonResult, Argv, TurnRecord, TurnView
 
+if TYPE_CHECKING:
+    import subprocess
+
 # What keeps an abandon from marking its turn, and must not keep it from killing: the turn's lock held
 # past its bound, or a record store that cannot be written (ENOSPC, EROFS on the state directory's
 # metadata files; the registry database's errors on a full or read-only disk).
-_UNMARKABLE = (LockTimeout, OSError, sqlite3.Error, RegistryUnavailable)
+_MARK_ERRORS: tuple[type[Exception], ...] = (LockTimeout, OSError, RegistryUnavailable)
+
+
+def _unmarkable() -> tuple[type[Exception], ...]:
+    """_MARK_ERRORS, and sqlite3.Error where sqlite3 is loaded: only the registry's database raises it,
+    and the registry backend imports it (a cgroup2 manager, `cgturn run`, need not pay its import)."""
+    sqlite3 = sys.modules.get("sqlite3")
+    return _MARK_ERRORS + ((sqlite3.Error,) if sqlite3 is not None else ())
+
 
 log = logging.getLogger("cgturn")
 
@@ -149,6 +159,11 @@ class TurnControl:
         Raises:
             UnsafeOperation: the turn holds the caller, one of its ancestors or PID 1.
         """
+        with procfs.protected_once():  # the caller, its ancestors and PID 1: read once for the whole abandon
+            return self._abandon_turn(task_key, turn_key, reason, grace, force, when)
+
+    def _abandon_turn(self, task_key: str, turn_key: str, reason: str, grace: float, force: bool,
+                      when: Callable[[TurnRecord], bool] | None) -> AbandonResult:
         rec = self.backend.load(task_key, turn_key)
         if rec is None:
             return AbandonResult(skipped=True, reason=reason)
@@ -158,12 +173,16 @@ class TurnControl:
                    "killer_start": procfs.own_start_time()}
         try:
             won, rec = self.backend.transition(task_key, turn_key, allowed, ABANDONED, updates, when=when)
-        except _UNMARKABLE as busy:
+        except _unmarkable() as busy:
             return self._abandon_unmarked(task_key, turn_key, reason, grace, allowed, updates, when, busy)
         if not won or rec is None:
             return AbandonResult(skipped=True, reason=(rec.reason if rec else None) or reason)
-        result = killing.kill_turn(self.backend, rec, reason, grace, self.state_dir,
-                                   before_removal=self.governance.audit_limits_quietly,
+        marked = rec  # as written under the lock: its audited limit counters are current
+
+        def audit_limits(task: str, turn: str, usage: Usage) -> None:
+            self.governance.audit_limits_quietly(task, turn, usage, marked)
+
+        result = killing.kill_turn(self.backend, rec, reason, grace, self.state_dir, before_removal=audit_limits,
                                    limiter=self.governance.limiter)
         self._ended(rec, result)
         return result
@@ -188,7 +207,7 @@ class TurnControl:
         if self.backend.load(task_key, turn_key) is not None:  # it outlived the kill: its record must say so
             try:
                 self.backend.transition(task_key, turn_key, allowed, ABANDONED, updates, when=when)
-            except _UNMARKABLE as still:
+            except _unmarkable() as still:
                 result.unrecorded += f"; it is still there and still not marked ({still})"
         self._ended(rec, result)
         return result
@@ -256,7 +275,7 @@ class TurnControl:
                                   f"{'another task' if owner[0] == self.backend.scope else 'another manager'}")
         self.backend.adopt(rec, pid)
 
-    def spawn_keyed(self, rec: TurnRecord, argv: Argv, key: str, popen_kwargs: dict[str, Any]) -> subprocess.Popen[Any]:
+    def spawn_keyed(self, rec: TurnRecord, argv: Argv, key: str, popen_kwargs: dict[str, Any]) -> "subprocess.Popen[Any]":
         """Spawn into `rec`'s turn unless a live process of its task holds `key` (cgturn.keys).
         Raises AlreadyRunning (`.pid`), or as `Turn.spawn`."""
         return keys.spawn_keyed(self.backend, rec, argv, key, popen_kwargs)

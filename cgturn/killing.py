@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 from . import audit
 from .backends.base import Backend
 from .errors import LockTimeout, UnsafeOperation
+from .kernel import procfs
 from .limits import Usage
 from .logfields import turn_fields
 from .model import AbandonResult, TurnRecord
@@ -36,7 +37,8 @@ KILL_ATTEMPTS = 3
 
 
 def refuse_if_caller_inside(backend: Backend, rec: TurnRecord, verb: str = "kill") -> None:
-    """Raise UnsafeOperation when the turn at `rec` holds the caller, one of its ancestors or PID 1."""
+    """Raise UnsafeOperation when the turn at `rec` holds the caller, one of its ancestors or PID 1
+    (read as procfs.protected: once per abandon inside procfs.protected_once)."""
     if backend.contains_caller(rec):
         raise UnsafeOperation(f"refusing to {verb} turn {rec.turn_id!r} of task {rec.task_id!r}: it contains "
                               f"the calling process, one of its ancestors or PID 1 (caller {os.getpid()})")
@@ -51,6 +53,14 @@ def kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, stat
         before_removal: called once the turn is empty, with what it used, before its cgroup goes.
         limiter: the backend's limits capability: a dying turn's CPU quota is lifted through it.
     """
+    with procfs.protected_once():
+        return _kill_turn(backend, rec, reason, grace, state_dir, before_removal, limiter)
+
+
+def _kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, state_dir: str,
+               before_removal: BeforeRemoval | None, limiter: "Limiter | None") -> AbandonResult:
+    """kill_turn, its protected processes read once (procfs.protected_once) and again after every
+    wait that did not end in an empty turn: a grace period, a kill that left something behind."""
     started = time.monotonic()
     killed: set[int] = set()
     signals: list[str] = []
@@ -62,6 +72,7 @@ def kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, stat
             killed.update(hit)
             signals.append("SIGTERM")
             empty = backend.wait_empty(rec, grace)
+            procfs.reread_protected()
         else:
             empty = backend.wait_empty(rec, 0)
     for _ in range(KILL_ATTEMPTS):
@@ -73,6 +84,8 @@ def kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, stat
             if hit and "SIGKILL" not in signals:
                 signals.append("SIGKILL")
             empty = backend.wait_empty(rec, KILL_WAIT)
+            if not empty:
+                procfs.reread_protected()
         if empty and usage is None:
             usage = _final_usage(backend, rec, before_removal)
         if empty:

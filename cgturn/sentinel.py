@@ -2,8 +2,8 @@
 deadlines from outside the owner, and `SentinelClient` is the owner's end of its channel.
 
 An in-process watchdog cannot help when the owner itself is SIGSTOPped, wedged with the GIL held,
-swapping, or dead. The sentinel is a separate process (`python -m cgturn.sentinel_main`, its own
-session, stdio on /dev/null) that holds every tracked turn's hard deadline and inactivity timeout;
+swapping, or dead. The sentinel is a separate process (forked from the owner while it runs one
+thread, else `python -m cgturn.sentinel_main`; its own session, stdio on /dev/null) that holds every tracked turn's hard deadline and inactivity timeout;
 its loop is cgturn.sentinel_server and the messages both ends speak are cgturn.sentinel_protocol.
 
 Touches are rate-limited in the owner (one per TOUCH_INTERVAL per turn), so a stopped owner simply
@@ -20,19 +20,17 @@ a warning. Leases: when the owner completes a turn with a lease (or moves one), 
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import select
 import socket
 import subprocess
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import processes
 from . import sentinel_protocol as protocol
+from . import sentinel_start
 from .errors import GuardUnavailable, SentinelUnavailable
 from .sentinel_protocol import MAX_MESSAGE
 
@@ -48,8 +46,8 @@ TOUCH_INTERVAL = 0.1
 # How long `close()` waits for an idle sentinel to exit before leaving it to finish on its own.
 CLOSE_WAIT = 2.0
 _SEND_TIMEOUT = 2.0
-# How long attach waits for the sentinel's `ready`: an interpreter start and cgturn's imports, on a
-# loaded host.
+# How long attach waits for the sentinel's `ready`: an interpreter start and cgturn's imports (where it
+# cannot be forked), on a loaded host.
 READY_TIMEOUT = 10.0
 _ATTACH_LOCK = threading.Lock()
 
@@ -146,7 +144,7 @@ class SentinelClient:
         self._leased_until = 0.0  # wall clock: the latest lease sent (the sentinel stays for it)
         self.closed = False
         try:
-            self.process = _start_process(manager, theirs.fileno())
+            self.process = sentinel_start.start(manager, theirs.fileno())
         except OSError as err:
             self._sock.close()
             raise SentinelUnavailable(f"cannot start the sentinel: {err}") from err
@@ -299,22 +297,3 @@ class SentinelClient:
             log.error("sentinel channel broken (%s); deadlines are enforced in-process only", err)
             self.closed = True
             return False
-
-
-def _start_process(manager: "TurnManager", fd: int) -> subprocess.Popen:
-    """Start `python -m cgturn.sentinel_main` in its own session, outside any turn, holding `fd`."""
-    me = os.getpid()
-    argv = [sys.executable, "-m", "cgturn.sentinel_main", "--fd", str(fd), "--protocol", str(protocol.VERSION),
-            "--owner-pid", str(me), "--owner-start", str(processes.start_time(me)),
-            "--backend", manager.backend_name, "--state-dir", manager.state_dir]
-    if manager.root is not None:
-        argv += ["--root", manager.root]
-    if manager.guard is not None:
-        argv += ["--guard", json.dumps(manager.guard.to_json())]
-    env = dict(os.environ)
-    # The sentinel must import this very cgturn, installed or not.
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
-    # stdio on /dev/null: a sentinel must never hold a pipe its owner's caller waits on.
-    return subprocess.Popen(argv, pass_fds=(fd,), env=env, start_new_session=True,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

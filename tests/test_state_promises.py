@@ -238,7 +238,16 @@ def _sentinels_of(state_dir: str) -> list[int]:
             continue
         if b"cgturn.sentinel_main" in argv and state_dir.encode() in argv:
             found.append(int(name))
+        elif _holds(int(name), os.path.join(state_dir, "sentinel.log")):  # forked: the owner's argv
+            found.append(int(name))
     return found
+
+
+def _holds(pid: int, path: str) -> bool:
+    try:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}") == path for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False
 
 
 def test_run_keep_for_is_enforced_after_run_exits(cgroup2_root, state_dir):

@@ -373,7 +373,11 @@ def test_sentinel_without_a_log_file_says_so(cgroup2_root, state_is_a_file, capl
 def test_an_owner_is_told_when_its_sentinel_cannot_start(cgroup2_manager, monkeypatch):
     from cgturn.errors import SentinelUnavailable
 
-    monkeypatch.setattr(sentinel.sys, "executable", "/bin/false")  # starts, exits at once, says nothing
+    from cgturn import sentinel_start
+
+    # It starts, exits at once and says nothing: exec'd (/bin/false) or forked (its program returns).
+    monkeypatch.setattr(sentinel_start.sys, "executable", "/bin/false")
+    monkeypatch.setattr(sentinel_start.runpy, "run_module", lambda *args, **kwargs: None)
     with pytest.raises(SentinelUnavailable, match="could not start.*not guarded"):
         sentinel.attach(cgroup2_manager)
     monkeypatch.undo()

@@ -43,29 +43,37 @@ class CgroupKiller:
         self._path_on_mount = path_on_mount
         self.cgroup_kill_works = cgroup_kill is not False
 
-    def _refuse_protected(self, cg: Cgroup) -> None:
+    def _refuse_protected(self, cg: Cgroup) -> list[int]:
         """Refuse to kill or freeze outside the managed root, or a cgroup holding the caller, one of
-        its ancestors or PID 1.
+        its ancestors or PID 1 (as `procfs.protected` reads them: once per abandon); the pids of
+        `cg`'s subtree, as read for the check.
 
         Raises:
             UnsafeOperation: naming the cgroup and why.
         """
-        real = os.path.realpath(cg.path)
-        if not real.startswith(os.path.realpath(self.root.path) + "/"):
+        if not self.inside_root(cg):
             raise UnsafeOperation(f"refusing to kill {cg.path}: outside the managed root {self.root.path}")
-        who = self.protected_inside(cg)
+        pids = cg.procs_recursive()
+        who = _protected_among(pids)
         if who is not None:
             raise UnsafeOperation(f"refusing to kill {cg.path}: it contains {who}")
+        return pids
+
+    def inside_root(self, cg: Cgroup) -> bool:
+        """True when `cg` lies below the managed root. A turn's path is the root's joined with names
+        Cgroup.child checked (no `/`, `.`, `..`), and cgroupfs has no symlinks, so the plain prefix
+        answers; any other path is resolved (realpath) before it is refused."""
+        root = self.root.path.rstrip("/") + "/"
+        if cg.path.startswith(root) and ".." not in cg.path[len(root):].split("/"):
+            return True
+        return os.path.realpath(cg.path).startswith(os.path.realpath(self.root.path) + "/")
 
     def protected_inside(self, cg: Cgroup) -> str | None:
-        """Which protected process (the caller, an ancestor of it, PID 1) `cg` holds; None if none."""
-        me = os.getpid()
-        for pid in sorted(procfs.protected_pids()):
-            where = procfs.cgroup_of("self" if pid == me else pid)
-            if where is not None and self.under(cg, where):
-                who = "the calling process" if pid == me else ("PID 1" if pid == 1 else "an ancestor of the caller")
-                return f"{who} ({pid})"
-        return None
+        """Which protected process (the caller, an ancestor of it, PID 1) `cg` or a cgroup below it
+        holds; None if none. The kernel's own list of the subtree's members (cgroup.procs) answers,
+        not each protected process's /proc/PID/cgroup: one read per cgroup of the turn instead of
+        two per protected process, and no path to translate between cgroup namespaces."""
+        return _protected_among(cg.procs_recursive())
 
     def under(self, cg: Cgroup, rel: str) -> bool:
         """True when the /proc/PID/cgroup path `rel` is `cg` or below it."""
@@ -74,8 +82,7 @@ class CgroupKiller:
 
     def signal(self, cg: Cgroup, sig: int) -> list[int]:
         """Send `sig` to every process of `cg`'s subtree still inside it; the pids signalled."""
-        self._refuse_protected(cg)
-        return [pid for pid in cg.procs_recursive() if self._signal_if_inside(cg, pid, sig)]
+        return [pid for pid in self._refuse_protected(cg) if self._signal_if_inside(cg, pid, sig)]
 
     def _signal_if_inside(self, cg: Cgroup, pid: int, sig: int) -> bool:
         """Signal `pid` only if, once pinned by a pidfd, it is still inside `cg` (no PID-reuse hit)."""
@@ -92,8 +99,7 @@ class CgroupKiller:
 
     def kill(self, cg: Cgroup) -> list[int]:
         """SIGKILL `cg`'s subtree: cgroup.kill, else freeze-and-kill; the pids hit."""
-        self._refuse_protected(cg)
-        pids = cg.procs_recursive()
+        pids = self._refuse_protected(cg)
         if self.cgroup_kill_works:
             try:
                 cg.kill()
@@ -138,8 +144,7 @@ class CgroupKiller:
         Raises:
             FileNotFoundError: the cgroup is gone.
         """
-        self._refuse_protected(cg)
-        pids = cg.procs_recursive()
+        pids = self._refuse_protected(cg)
         cg.set_frozen(frozen)
         # cgroup.events `frozen` follows once every task has stopped (or runs again).
         cg.wait_events(lambda ev: ev.get("frozen", int(frozen)) == int(frozen), FREEZE_TIMEOUT)
@@ -168,7 +173,7 @@ class CgroupKiller:
         cg = Cgroup(where)
         if cg != self.root and os.path.dirname(where) != self.root.path:
             raise UnsafeOperation(f"refusing to kill in {where}: not the managed root or a task directory")
-        if pid in procfs.protected_pids():
+        if pid in procfs.protected().pids:
             raise UnsafeOperation(f"refusing to kill process {pid}: the caller, an ancestor of it, or PID 1")
         fd = procfs.open_pidfd(pid)
         if fd is None:
@@ -178,3 +183,14 @@ class CgroupKiller:
             return here == where and procfs.pidfd_signal(fd, signal.SIGKILL)
         finally:
             os.close(fd)
+
+
+def _protected_among(pids: list[int]) -> str | None:
+    """Which protected process (procfs.protected) is among `pids`, named; None if none."""
+    protected = procfs.protected()
+    hit = protected.pids.intersection(pids)
+    if not hit:
+        return None
+    pid = min(hit)
+    who = "the calling process" if pid == protected.me else ("PID 1" if pid == 1 else "an ancestor of the caller")
+    return f"{who} ({pid})"

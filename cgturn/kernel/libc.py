@@ -12,7 +12,6 @@ Every wrapper raises OSError with errno and path, as the os module would.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import os
 import sys
@@ -23,9 +22,19 @@ PR_SET_CHILD_SUBREAPER = 36  # prctl(2), Linux 3.4+
 PR_GET_CHILD_SUBREAPER = 37
 
 
+# The C library by its soname, never looked up through ctypes.util.find_library: on Linux that runs
+# `/sbin/ldconfig -p` (a process per call, a few ms: the larger part of `cgturn run`'s start-up).
+# Where the soname is not glibc's (musl names itself libc.so), the symbols of the running process,
+# which the interpreter itself links, serve (dlopen(NULL), dlopen(3)).
+LIBC_SONAME = "libc.so.6"
+
+
 @functools.lru_cache(maxsize=1)
 def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    try:
+        libc = ctypes.CDLL(LIBC_SONAME, use_errno=True)
+    except OSError:
+        libc = ctypes.CDLL(None, use_errno=True)
     libc.getxattr.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
     libc.getxattr.restype = ctypes.c_ssize_t
     return libc

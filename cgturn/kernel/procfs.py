@@ -14,12 +14,16 @@ has exited: it reads as not alive, while its pid is still taken.
 unless a caller hands them another `ProcFS` as `proc=`: a test injects a directory of its own
 instead of patching anything (psutil's lesson: patch no global, inject a root).
 """
+# size: a little over the limit: every /proc question, and the one reading of the protected processes a kill path shares, in the one module that translates /proc's errors.
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
+from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Iterator
 
 from ..errors import AccessDenied, KernelError, NoSuchProcess
 from . import parsers
@@ -66,8 +70,10 @@ class ProcFS:
     def __init__(self, root: str = PROC):
         self.root = root
 
-    def read(self, pid: int | str, what: str) -> bytes:
-        """The raw content of /proc/PID/what."""
+    def read(self, pid: int | str, what: str, whole: bool = False) -> bytes:
+        """The raw content of /proc/PID/what. `whole`: the file is one seq_file record (stat, statm,
+        cgroup: single_open in fs/proc/base.c), which one read(2) with room for it returns entirely,
+        so a read shorter than the buffer is the whole file and the read that would see EOF is spared."""
         try:
             fd = os.open(f"{self.root}/{pid}/{what}", os.O_RDONLY | os.O_CLOEXEC)
         except OSError as err:
@@ -76,8 +82,8 @@ class ProcFS:
             chunks: list[bytes] = []
             while True:
                 chunk = os.read(fd, 65536)
-                if not chunk:
-                    return b"".join(chunks)
+                if not chunk or (whole and not chunks and len(chunk) < 65536):
+                    return chunk if not chunks else b"".join(chunks)
                 chunks.append(chunk)
         except OSError as err:
             raise _translate(pid, what, err) from err
@@ -86,7 +92,7 @@ class ProcFS:
 
     def stat(self, pid: int) -> ProcStat:
         """/proc/PID/stat parsed."""
-        state, ppid, start = parsers.parse_proc_stat(self.read(pid, "stat").decode("utf-8", "replace"))
+        state, ppid, start = parsers.parse_proc_stat(self.read(pid, "stat", whole=True).decode("utf-8", "replace"))
         return ProcStat(pid, state, ppid, start)
 
     def environ(self, pid: int) -> dict[str, str]:
@@ -99,11 +105,11 @@ class ProcFS:
 
     def cgroup(self, pid: int | str) -> str | None:
         """The cgroup v2 path as /proc/PID/cgroup shows it; None when it has no v2 line."""
-        return parsers.parse_proc_cgroup(self.read(pid, "cgroup").decode("utf-8", "replace"))
+        return parsers.parse_proc_cgroup(self.read(pid, "cgroup", whole=True).decode("utf-8", "replace"))
 
     def rss_pages(self, pid: int) -> int:
         """Resident pages (/proc/PID/statm, second field)."""
-        return int(self.read(pid, "statm").split()[1])
+        return int(self.read(pid, "statm", whole=True).split()[1])
 
     def tgid(self, tid: int) -> int:
         """The process (thread group) thread `tid` belongs to (/proc/TID/status `Tgid:`)."""
@@ -222,6 +228,26 @@ def cgroup_of(pid: int | str, proc: ProcFS = HOST) -> str | None:
         return None
 
 
+def own_thread_count(proc: ProcFS = HOST) -> int | None:
+    """How many threads the calling process runs (/proc/self/task: a C library's threads, which
+    Python's threading module does not know of, count too); None when it cannot be read."""
+    try:
+        return len(os.listdir(f"{proc.root}/self/task"))
+    except OSError:
+        return None
+
+
+def set_own_name(name: str, proc: ProcFS = HOST) -> bool:
+    """Set the calling thread's name (/proc/self/comm, what `ps -e`, `top` and `pgrep` show: 15
+    bytes kept, proc(5)); False when refused."""
+    try:
+        with open(f"{proc.root}/thread-self/comm", "w") as f:
+            f.write(name[:15])
+        return True
+    except OSError:
+        return False
+
+
 def tgid_of(tid: int, proc: ProcFS = HOST) -> int | None:
     """The process a thread id belongs to; None when it is gone or unreadable."""
     try:
@@ -275,10 +301,54 @@ def ancestors(pid: int, proc: ProcFS = HOST) -> set[int]:
     return out
 
 
+class Protected:
+    """The processes cgturn never signals, adopts, freezes or kills the cgroup of — PID 1, the
+    caller and the caller's ancestors — as read at one moment."""
+
+    __slots__ = ("pids", "me")
+
+    def __init__(self) -> None:
+        self.me = os.getpid()
+        self.pids = frozenset({1, self.me} | ancestors(self.me))
+
+
+# The reading of one kill (`protected_once`), in this thread's context only.
+_ONE_KILL: ContextVar[Protected | None] = ContextVar("cgturn_protected", default=None)
+
+
+def protected() -> Protected:
+    """The protected processes: the reading of the kill under way in this thread (`protected_once`),
+    or a fresh one."""
+    current = _ONE_KILL.get()
+    return current if current is not None and current.me == os.getpid() else Protected()
+
+
+@contextlib.contextmanager
+def protected_once() -> Iterator[None]:
+    """Within it, `protected()` and `protected_pids()` answer from one reading (an abandon checks
+    the caller, its ancestors and PID 1 before it marks the turn and again at every signal and
+    kill; a dozen /proc reads each time were most of a small turn's abandon). `reread_protected`
+    takes a new reading, for a kill path that waited (a grace period) before it kills again."""
+    current = _ONE_KILL.get()
+    if current is not None and current.me == os.getpid():
+        yield  # the abandon that called this kill path took the reading
+        return
+    token = _ONE_KILL.set(Protected())
+    try:
+        yield
+    finally:
+        _ONE_KILL.reset(token)
+
+
+def reread_protected() -> None:
+    """Take a new reading for the `protected_once` under way (no-op outside one)."""
+    if _ONE_KILL.get() is not None:
+        _ONE_KILL.set(Protected())
+
+
 def protected_pids() -> set[int]:
     """Pids cgturn never signals, adopts or freezes: PID 1, the caller and the caller's ancestors."""
-    me = os.getpid()
-    return {1, me} | ancestors(me)
+    return set(protected().pids)
 
 
 def open_pidfd(pid: int, started: int | None = None) -> int | None:

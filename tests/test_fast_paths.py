@@ -1,0 +1,168 @@
+"""The short paths of small turns and of `cgturn run`'s start, and that each keeps its promise: an abandon
+reads the protected processes once and still refuses to kill them; the C library is found without
+running ldconfig; a one-thread owner's sentinel is forked (no second interpreter), a threaded owner's
+is exec'd, and either one abandons the turns of an owner that dies."""
+import json
+import os
+import signal
+import subprocess
+import textwrap
+import threading
+
+import pytest
+
+from cgturn import TurnManager
+from cgturn.errors import UnsafeOperation
+from cgturn.kernel import procfs
+from cgturn.sentinel_start import SENTINEL_NAME
+from conftest import PY, alive, cgturn_env, wait_until
+
+BOUND = 20.0  # a bound on a wait, not a measurement
+
+
+def test_one_reading_of_the_protected_processes_serves_a_whole_kill():
+    with procfs.protected_once():
+        first = procfs.protected()
+        assert procfs.protected() is first and os.getpid() in first.pids and 1 in first.pids
+        with procfs.protected_once():  # a kill path below an abandon shares the abandon's reading
+            assert procfs.protected() is first
+        procfs.reread_protected()  # after a wait: a new reading
+        assert procfs.protected() is not first and procfs.protected().pids == first.pids
+    assert procfs.protected() is not procfs.protected()  # outside one: read at every question
+
+
+def test_an_abandon_reads_the_callers_ancestry_once(cgroup2_manager, monkeypatch):
+    turn = cgroup2_manager.begin_turn("fast", "one")
+    proc = turn.spawn(["sleep", "300"])
+    assert wait_until(lambda: turn.pids() == [proc.pid])
+    reads = []
+    real = procfs.ancestors
+    monkeypatch.setattr(procfs, "ancestors", lambda pid, *a: reads.append(pid) or real(pid, *a))
+    result = turn.abandon("test", grace=0)
+    proc.wait(timeout=BOUND)
+    assert result.killed == [proc.pid] and reads == [os.getpid()]
+
+
+def test_a_turn_holding_the_caller_is_still_refused(cgroup2_manager):
+    turn = cgroup2_manager.begin_turn("fast", "me")
+    turn.enter()
+    try:
+        with pytest.raises(UnsafeOperation, match="calling process"):
+            turn.abandon("test", grace=0)
+    finally:
+        cgroup2_manager.leave_turn()
+    assert turn.state == "running"
+    turn.abandon("test", grace=0)
+
+
+def test_the_c_library_is_loaded_without_running_a_program():
+    """ctypes.util.find_library runs `/sbin/ldconfig -p`; loading libc by name runs nothing."""
+    code = textwrap.dedent("""
+        import subprocess
+        def refuse(*args, **kwargs):
+            raise SystemExit(f"ran {args[0]!r}")
+        subprocess.Popen = refuse
+        from cgturn.kernel import libc
+        libc._libc()
+        print(libc.filesystem_magic("/"))
+    """)
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=cgturn_env())
+    assert out.returncode == 0 and out.stdout.strip().isdigit(), out.stdout + out.stderr
+
+
+OWNER = textwrap.dedent("""
+    import json, sys, threading
+    from cgturn import Supervisor, TurnManager
+    root, state, threaded = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    if threaded:  # a second thread: fork would copy only this one, so the sentinel is exec'd
+        threading.Thread(target=threading.Event().wait, daemon=True).start()
+    mgr = TurnManager(root=root, backend="cgroup2", state_dir=state)
+    pid = Supervisor.start_sentinel(mgr)
+    turn = mgr.begin_turn("fast", "owned")
+    child = turn.spawn(["sleep", "300"])
+    print(json.dumps({"sentinel": pid, "child": child.pid}), flush=True)
+    threading.Event().wait()
+""")
+
+
+def _comm(pid: int) -> str:
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read().strip()
+
+
+def _cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().decode().split("\0")
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["one-thread-forked", "threaded-execd"])
+def test_the_sentinel_of_a_sigkilled_owner_abandons_its_turn(cgroup2_root, state_dir, threaded):
+    owner = subprocess.Popen([PY, "-c", OWNER, cgroup2_root, state_dir, "1" if threaded else "0"],
+                             stdout=subprocess.PIPE, text=True, env=cgturn_env())
+    try:
+        started = json.loads(owner.stdout.readline())
+        sentinel, child = started["sentinel"], started["child"]
+        if threaded:
+            assert "cgturn.sentinel_main" in _cmdline(sentinel)
+        else:  # forked: no exec, so its argv is its owner's; its name says what it is
+            assert _comm(sentinel) == SENTINEL_NAME and _cmdline(sentinel) == _cmdline(owner.pid)
+            assert os.getsid(sentinel) == sentinel  # a session of its own, as the exec'd one
+        assert alive(child)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=BOUND)
+        assert wait_until(lambda: not alive(child), timeout=BOUND)
+        with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, sentinel=False) as mgr:
+            assert wait_until(lambda: mgr.turns() == [], timeout=BOUND)
+        assert wait_until(lambda: not alive(sentinel), timeout=BOUND)  # nothing left to guard: it goes
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+
+
+def test_a_forked_sentinel_holds_none_of_its_owners_descriptors(cgroup2_root, state_dir):
+    """What the owner's caller waits on (a pipe) must not be held open by the sentinel it leaves behind."""
+    read_end, write_end = os.pipe()
+    owner = subprocess.Popen([PY, "-c", OWNER, cgroup2_root, state_dir, "0"], stdout=subprocess.PIPE, text=True,
+                             env=cgturn_env(), pass_fds=(write_end,))
+    os.close(write_end)
+    try:
+        sentinel = json.loads(owner.stdout.readline())["sentinel"]
+        assert _comm(sentinel) == SENTINEL_NAME
+        targets = {os.readlink(f"/proc/{sentinel}/fd/{fd}") for fd in os.listdir(f"/proc/{sentinel}/fd")}
+        assert not any(t.startswith("pipe:") for t in targets), targets
+    finally:
+        owner.kill()
+        owner.wait()
+        os.close(read_end)
+        with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, sentinel=False) as mgr:
+            wait_until(lambda: mgr.turns() == [], timeout=BOUND)
+
+
+def test_a_thread_count_is_read_from_the_kernel():
+    from cgturn import processes
+
+    before = processes.own_thread_count()
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert processes.own_thread_count() == before + 1
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_ps_json_is_one_array_with_a_turn_per_line(cgroup2_manager, cgroup2_root, state_dir):
+    from conftest import cli
+
+    turns = [cgroup2_manager.begin_turn("fast", f"t{i}") for i in range(3)]
+    out = cli(cgroup2_root, state_dir, "ps", "--json")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "[" and lines[-1] == "]" and len(lines) == 2 + len(turns)
+    assert [json.loads(line.rstrip(","))["turn"] for line in lines[1:-1]] == ["t0", "t1", "t2"]
+    assert json.loads(out.stdout) == [json.loads(line.rstrip(",")) for line in lines[1:-1]]
+    for turn in turns:
+        turn.complete()
+    assert cli(cgroup2_root, state_dir, "ps", "--json").stdout == "[]\n"
