@@ -16,6 +16,9 @@ emptied completed turn is removed then, as completion removes an empty turn. Com
 told about (`untrack`) are looked at on the next sweeps too, while it runs anyway: one whose survivors
 all exited is removed, rather than lingering as `completed` with no pids until `cgturn reap`. It exits
 when it tracks nothing, holds no lease, and the owner's channel is closed.
+
+Watches (`cgturn run --cpu-time`, `--oom-kills-turn`; cgturn.sentinel_watch): a watched turn is
+abandoned once its CPU use passes its limit (reason `cpu-time`) or at its first OOM kill (`oom`).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from . import clocks, ids, leases, probes, reasons, recovery
 from .logfields import turn_fields
 from .model import ABANDONED, COMPLETED
 from .sentinel_protocol import MAX_MESSAGE, parse_message
+from .sentinel_watch import Watch
 
 if TYPE_CHECKING:
     from .manager import TurnManager
@@ -82,6 +86,7 @@ class Sentinel:
         self.tracked: dict[tuple[str, str], TurnClock] = {}
         self.leases: dict[tuple[str, str], float] = {}  # turn key -> monotonic time to look at its lease
         self.ended: set[tuple[str, str]] = set()  # turns the owner ended: removed here once emptied
+        self.watches: dict[tuple[str, str], Watch] = {}  # turns with a CPU-time limit or an OOM watch
         self.owner_pidfd = probes.open_owner(owner_pid, owner_start)
         self.owner_dead = self.owner_pidfd is None
         self.orphaned = False  # the owner is dead and its running turns were abandoned
@@ -100,9 +105,10 @@ class Sentinel:
                     self.sock.close()
                     self.sock = None
             self._fire_due()
+            self._look_at_watches()
             self._expire_due_leases()
             self._sweep()
-            if self.sock is None and not self.tracked and not self.leases:
+            if self.sock is None and not self.tracked and not self.leases and not self.watches:
                 break
         if self.sock is not None:
             self.sock.close()
@@ -114,6 +120,7 @@ class Sentinel:
             return 0.0
         now = time.monotonic()
         dues = [d[0] for c in self.tracked.values() if (d := c.due()) is not None] + list(self.leases.values())
+        dues.extend(w.next_look for w in self.watches.values())
         nearest = min(dues, default=now + 3600)
         if self.tracked or self.leases or self.ended:
             nearest = min(nearest, self._next_sweep)
@@ -168,8 +175,12 @@ class Sentinel:
             touched = self.tracked.get(key)
             if touched is not None:
                 touched.last = max(touched.last, msg["at"])
+        elif op == "watch":
+            self.watches[key] = Watch(msg["task"], msg["turn"], msg["cpu_time"], msg["oom"], msg["grace"],
+                                      time.monotonic())
         elif op == "untrack":
             self.tracked.pop(key, None)
+            self.watches.pop(key, None)
             self.ended.add(key)  # looked at from the next sweep on: the owner removes an empty one itself
         elif op == "lease":
             if msg["expires_at"] is None:
@@ -186,7 +197,31 @@ class Sentinel:
                 due = clock.due_after_look(self._frozen_state(key, clock.frozen.seen), now)
             if due is not None and due[0] <= now:
                 del self.tracked[key]
+                self.watches.pop(key, None)
                 self._kill(clock, due[1], clock.grace)
+
+    def _look_at_watches(self) -> None:
+        """Abandon the watched turns past their CPU-time limit or OOM-killed into; schedule the rest."""
+        now = time.monotonic()
+        for key, watch in list(self.watches.items()):
+            if watch.next_look > now:
+                continue
+            try:
+                rec = self._control.record(*key)
+            except Exception:  # noqa: BLE001 - one unreadable record must not end the sentinel
+                log.exception("cannot read the record of %r", key, extra=_key_fields(key))
+                rec = None
+            if rec is None or rec.state in (COMPLETED, ABANDONED):
+                del self.watches[key]  # it ended: nothing left to watch
+                continue
+            usage = self._control.turn_usage_quietly(rec)
+            verdict = None if usage is None else watch.verdict(usage)
+            if verdict is None:
+                watch.next_look = watch.after(usage.cpu_seconds if usage is not None else 0.0, now)
+                continue
+            del self.watches[key]
+            self.tracked.pop(key, None)
+            self._kill(watch, verdict, watch.grace if verdict == reasons.CPU_TIME else 0.0)
 
     def _frozen_state(self, key: tuple[str, str], otherwise: float = 0.0) -> tuple[float, bool]:
         """`clocks.frozen_state` of the turn's record; `otherwise` when it cannot be read."""
@@ -223,11 +258,12 @@ class Sentinel:
             log.exception("sentinel could not expire the lease of %r", key, extra=_key_fields(key, reasons.LEASE_EXPIRED))
 
     def _abandon_all(self, reason: str) -> None:
+        self.watches.clear()  # the watched turns are tracked too: abandoned here
         for key, clock in list(self.tracked.items()):
             del self.tracked[key]
             self._kill(clock, reason, 0.0)
 
-    def _kill(self, clock: TurnClock, reason: str, grace: float) -> None:
+    def _kill(self, clock: TurnClock | Watch, reason: str, grace: float) -> None:
         self._start_thread(self._abandon, clock, reason, grace)
 
     def _start_thread(self, target: Callable[..., None], *args: Any) -> None:
@@ -236,7 +272,7 @@ class Sentinel:
         thread.start()
         self.kills.append(thread)
 
-    def _abandon(self, clock: TurnClock, reason: str, grace: float) -> None:
+    def _abandon(self, clock: TurnClock | Watch, reason: str, grace: float) -> None:
         try:
             result = self.manager.turn(clock.task, clock.turn).abandon(reason, grace=grace)
             if not result.skipped:

@@ -1,0 +1,54 @@
+"""A turn the sentinel watches for a CPU-time limit or its first OOM kill (`cgturn run --cpu-time`,
+`--oom-kills-turn`): when to look at its counters next, and what they say.
+
+The sentinel reads a watched turn's counters (cpu.stat usage, the OOM-kill count: `Usage`). A turn's
+processes cannot use more than one CPU second per CPU per wall second, so the next look at its CPU
+use comes when the rest of its allowance could at the earliest be used up, never sooner than
+MIN_CPU_LOOK: an idle turn costs almost nothing, and the overshoot is at most MIN_CPU_LOOK times the
+number of CPUs, plus the kill. OOM kills are counted by the kernel and looked at every OOM_LOOK.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from . import reasons
+
+if TYPE_CHECKING:
+    from .limits import Usage
+
+# How often a turn watched for its first OOM kill is looked at (v1's memory.oom_control counts kills
+# but has no pollable change notification short of cgroup.event_control's eventfd).
+OOM_LOOK = 0.05
+# The shortest wait between two looks at a watched turn's CPU use.
+MIN_CPU_LOOK = 0.01
+# Every CPU the turn's processes may run on: os.cpu_count() bounds any affinity mask or cpuset.
+CPUS = os.cpu_count() or 1
+
+
+@dataclass
+class Watch:
+    """One watched turn: its CPU-time limit, whether its first OOM kill ends it, and the next look."""
+
+    task: str
+    turn: str
+    cpu_time: float | None
+    oom: bool
+    grace: float
+    next_look: float
+
+    def after(self, cpu_seconds: float, now: float) -> float:
+        """When to look again, given the CPU seconds used by now."""
+        later = now + OOM_LOOK if self.oom else float("inf")
+        if self.cpu_time is not None:
+            later = min(later, now + max(MIN_CPU_LOOK, (self.cpu_time - cpu_seconds) / CPUS))
+        return later
+
+    def verdict(self, usage: "Usage") -> str | None:
+        """The reason to abandon the turn now, given what it used, or None."""
+        if self.oom and usage.oom_kills > 0:
+            return reasons.OOM
+        if self.cpu_time is not None and usage.cpu_seconds >= self.cpu_time:
+            return reasons.CPU_TIME
+        return None
