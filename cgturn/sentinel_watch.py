@@ -1,5 +1,6 @@
-"""A turn the sentinel watches for a CPU-time limit or its first OOM kill (`cgturn run --cpu-time`,
-`--oom-kills-turn`): when to look at its counters next, and what they say.
+"""What the sentinel holds per turn: its clocks (`TurnClock`: deadline, inactivity timeout) and, for
+a turn watched for a CPU-time limit or its first OOM kill (`cgturn run --cpu-time`,
+`--oom-kills-turn`), when to look at its counters next and what they say (`Watch`).
 
 The sentinel reads a watched turn's counters (cpu.stat usage, the OOM-kill count: `Usage`). A turn's
 processes cannot use more than one CPU second per CPU per wall second, so the next look at its CPU
@@ -10,14 +11,17 @@ number of CPUs, plus the kill. OOM kills are counted by the kernel and looked at
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from . import reasons
+from . import clocks, reasons
 
 if TYPE_CHECKING:
     from .limits import Usage
 
+# Added to every due time in the sentinel: covers the owner's touch rate limit and lets the
+# in-process watchdog (which fires the interrupt and knows the exact activity) act first when it can.
+SLACK = 0.25
 # How often a turn watched for its first OOM kill is looked at (v1's memory.oom_control counts kills
 # but has no pollable change notification short of cgroup.event_control's eventfd).
 OOM_LOOK = 0.05
@@ -25,6 +29,28 @@ OOM_LOOK = 0.05
 MIN_CPU_LOOK = 0.01
 # Every CPU the turn's processes may run on: os.cpu_count() bounds any affinity mask or cpuset.
 CPUS = os.cpu_count() or 1
+
+
+@dataclass
+class TurnClock:
+    """One tracked turn: its deadlines as the sentinel sees them."""
+
+    task: str
+    turn: str
+    deadline: float | None
+    inactivity: float | None
+    grace: float
+    last: float
+    # Frozen time the clocks leave out, learnt from the turn's record when a due time arrives.
+    frozen: clocks.FrozenTime = field(default_factory=clocks.FrozenTime)
+
+    def due(self) -> tuple[float, str] | None:
+        """(monotonic time at which to abandon, reason), or None when only owner death ends it."""
+        return clocks.due(self.deadline, self.inactivity, self.last, self.frozen, SLACK)
+
+    def due_after_look(self, state: tuple[float, bool], now: float) -> tuple[float, str] | None:
+        """`due` once a fresh `clocks.frozen_state` of the turn's record is accounted."""
+        return clocks.due_after_look(self.deadline, self.inactivity, self.last, self.frozen, state, now, SLACK)
 
 
 @dataclass
