@@ -234,7 +234,8 @@ def print_table(fig: dict[str, float], n: int, tasks: int, total: float) -> None
     row(f"end the other {tasks - 1} tasks", f"{fig['end_all']:.1f} s", "-", None, "-", True)
     row("owner RSS per live turn (Turn + Popen held)", f"{fig['owner_rss_per_turn'] / 1024:.1f} KiB", "-", None,
         "<= 4 KiB", fig["owner_rss_per_turn"] <= 4096)
-    row("owner fds opened while building them", f"{fig['owner_fds']:.0f}", "-", None, "no fd per turn", fig["owner_fds"] < min(100, n))
+    row("owner fds opened while building them", f"{fig['owner_fds']:.0f}", "-", None, "no fd per turn",
+        fig["owner_fds"] < min(100, n))
     row("sentinel RSS", f"{fig['sentinel_rss'] / 1024:.1f} MiB", "-", None, "-", True)
     row(f"sentinel CPU while idle ({n:,} tracked)", f"{fig['sentinel_idle_cpu'] * 100:.2f} % of a core", "-", None,
         "<= 1 %", fig["sentinel_idle_cpu"] <= 0.01)

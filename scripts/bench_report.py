@@ -180,7 +180,8 @@ def main() -> int:
         ours, theirs = figures[(workload, "cgturn")], figures[(workload, "runexec")]
         rows = [("CPU seconds", "cpu", lambda v: f"{v:.3f}", "cpu", lambda v: f"{v:.3f}")]
         if workload == "alloc":
-            rows.append(("peak memory MiB", "peak", lambda v: f"{v / MiB:.1f}", "rss", lambda v: f"{v / MiB:.1f} (RSS)"))
+            rows.append(("peak memory MiB", "peak", lambda v: f"{v / MiB:.1f}", "rss",
+                         lambda v: f"{v / MiB:.1f} (RSS)"))
         for label, key, fmt, own_key, own_fmt in rows:
             a = statistics.median(r[key] for r in ours if r[key] is not None)
             b = statistics.median(r[key] for r in theirs)

@@ -176,7 +176,8 @@ def _cannot_start(cmd: list[str], err: CgturnError | str) -> int:
     return EXIT_CANNOT_START
 
 
-def _supervise(turn, cmd: list[str], args, limits, report: "run_reporter.Reporter", sentinel_pid: int | None = None) -> int:
+def _supervise(turn, cmd: list[str], args, limits, report: "run_reporter.Reporter",
+               sentinel_pid: int | None = None) -> int:
     """Run CMD in the turn under a Supervisor; report limit hits; map its outcome to the exit status.
 
     `--timeout` is the supervisor's inactivity timeout with no activity source, i.e. wall-clock time
