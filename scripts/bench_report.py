@@ -36,7 +36,7 @@ import uuid
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from benchlib import bench_root, destroy  # noqa: E402
+from benchlib import _remove_tree as remove_tree, bench_root, destroy  # noqa: E402
 
 from cgturn import TurnManager  # noqa: E402
 
@@ -81,15 +81,7 @@ def v1_parents() -> dict[str, str]:
 def remove_v1_parents(parents: dict[str, str]) -> None:
     """Remove the parents (runexec removed its own cgroups below them; the wrapper has exited)."""
     for path in parents.values():
-        for dirpath, _, _ in sorted(os.walk(path), key=lambda entry: -len(entry[0])):
-            for _ in range(100):
-                try:
-                    os.rmdir(dirpath)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.02)
+        remove_tree(path)  # a v1 directory has no cgroup.kill: only its rmdir retries apply
 
 
 def run_runexec(runexec: str, parents: dict[str, str], workload: str, out_dir: str) -> dict:
