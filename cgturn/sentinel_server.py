@@ -33,7 +33,7 @@ from . import clocks, ids, leases, probes, reasons, recovery
 from .logfields import turn_fields
 from .model import ABANDONED, COMPLETED
 from .sentinel_protocol import MAX_MESSAGE, parse_message
-from .sentinel_watch import TurnClock, Watch
+from .sentinel_watch import OOM_LOOK, TurnClock, Watch
 from .sweeps import SweepRounds
 
 if TYPE_CHECKING:
@@ -209,8 +209,11 @@ class Sentinel:
                 continue
             usage = self._control.turn_usage_quietly(rec)
             verdict = None if usage is None else watch.verdict(usage)
+            if usage is None:  # unreadable this time (logged): look again soon, not at the far bound
+                watch.next_look = now + OOM_LOOK
+                continue
             if verdict is None:
-                watch.next_look = watch.after(usage.cpu_seconds if usage is not None else 0.0, now)
+                watch.next_look = watch.after(usage.cpu_seconds, now)
                 continue
             self._forget(key)
             self._kill(watch, verdict, watch.grace if verdict == reasons.CPU_TIME else 0.0)
