@@ -26,7 +26,7 @@ _EXPORTS = {
     "IsolationUnavailable": "errors", "Overloaded": "errors", "GuardUnavailable": "errors",
     "AlreadyRunning": "errors", "SentinelUnavailable": "errors",
     "Limits": "limits", "Usage": "limits",
-    "RecoveryAction": "recovery",
+    "RecoveryAction": "recovery", "RunReport": "run_report",
     "HostInfo": "host", "discover_host": "host", "doctor_report": "host",
     "ProcessInfo": "processes",
     "PressureGuard": "guard",
@@ -86,6 +86,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .ports import Port as Port
     from .processes import ProcessInfo as ProcessInfo
     from .recovery import RecoveryAction as RecoveryAction
+    from .run_report import RunReport as RunReport
     from .supervisor import (
         Outcome as Outcome, Run as Run, Supervisor as Supervisor, aabandon_disconnected as aabandon_disconnected,
         abandon_disconnected as abandon_disconnected)

@@ -238,7 +238,8 @@ class TurnControl:
                 "task_key": rec.task_key, "turn_key": rec.turn_key, "task": rec.task_id, "turn": rec.turn_id,
                 "started_at": rec.started_at, "owner_pid": rec.owner_pid, "owner_start": rec.owner_start,
                 "reason": result.reason, "killed_by": result.killed_by, "killed": result.killed,
-                "signals": result.signals, "duration_ms": round(result.duration_ms, 3), "time": time.time()})
+                "signals": result.signals, "duration_ms": round(result.duration_ms, 3), "time": time.time(),
+                "usage": None if result.usage is None else result.usage.to_json()})
         self.events.emit("turn_ended", event)
 
     # --- what a turn holds ------------------------------------------------------------------------

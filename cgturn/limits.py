@@ -36,6 +36,10 @@ MAX_PIDS = 4 * 1024 * 1024
 CPU_PERIOD_US = 100_000
 MIN_CPUS = 1000 / CPU_PERIOD_US
 MAX_CPUS = float((2 ** 44 - 1) // CPU_PERIOD_US)
+# A CPU-time limit (`cgturn run --cpu-time`) is checked against cpu.stat usage_usec (a u64 of
+# microseconds). 10**9 s is 31 years of one core: anything above is a typo, and float seconds still
+# carry whole microseconds there (below 2**53 us).
+MAX_CPU_TIME = 1e9
 
 
 def parse_size(text: str) -> int | str:
@@ -81,6 +85,30 @@ def parse_cpus(text: str) -> float | str:
     if problem:
         raise ValueError(f"not a number of cores: {text!r} ({problem})")
     return cores
+
+
+def parse_cpu_time(text: str) -> float:
+    """CPU seconds for a CPU-time limit: a finite number > 0 and at most MAX_CPU_TIME.
+
+    Raises ValueError for 0, negative numbers, nan, inf and anything above MAX_CPU_TIME.
+    """
+    try:
+        seconds = float(text.strip())
+    except ValueError:
+        raise ValueError(f"not a number of CPU seconds: {text!r}") from None
+    problem = cpu_time_problem(seconds)
+    if problem:
+        raise ValueError(f"not a CPU-time limit: {text!r} ({problem})")
+    return seconds
+
+
+def cpu_time_problem(seconds: object) -> str | None:
+    """Why `seconds` cannot be a CPU-time limit, or None."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        return "must be a number of seconds"
+    if not math.isfinite(seconds) or not 0 < seconds <= MAX_CPU_TIME:
+        return f"must be more than 0 and at most {MAX_CPU_TIME:.0f} seconds"
+    return None
 
 
 def parse_weight(text: str) -> int:

@@ -55,4 +55,27 @@ def result_from_note(note: dict[str, Any], reason: str | None) -> AbandonResult:
     duration = note.get("duration_ms")
     return AbandonResult(killed=sorted(killed), skipped=False, reason=str(note.get("reason") or reason),
                          signals=signals, duration_ms=float(duration) if isinstance(duration, (int, float)) else 0.0,
-                         killed_by=killed_by if isinstance(killed_by, int) else None)
+                         killed_by=killed_by if isinstance(killed_by, int) else None,
+                         usage=usage_from_note(note.get("usage")))
+
+
+def usage_from_note(data: Any) -> "Usage | None":
+    """The killed turn's figures as the killer read them before removing its cgroup (`Usage.to_json`
+    in the note), or None when absent or not what cgturn writes (a field of the wrong type)."""
+    from .limits import Usage
+
+    if not isinstance(data, dict):
+        return None
+    ints = ("oom_kills", "pids_max_hits")
+    optional: dict[str, Any] = {"memory_peak_bytes": int, "cpu_throttled_seconds": (int, float)}
+    cpu = data.get("cpu_seconds")
+    if any(isinstance(data.get(n), bool) or not isinstance(data.get(n), int) for n in ints) \
+            or isinstance(cpu, bool) or not isinstance(cpu, (int, float)):
+        return None
+    for name, kind in optional.items():
+        value = data.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+            return None
+    peak, throttled = data.get("memory_peak_bytes"), data.get("cpu_throttled_seconds")
+    return Usage(oom_kills=data["oom_kills"], pids_max_hits=data["pids_max_hits"], memory_peak_bytes=peak,
+                 cpu_seconds=float(cpu), cpu_throttled_seconds=None if throttled is None else float(throttled))

@@ -37,7 +37,7 @@ def note_path(state_dir: str, task_key: str, turn_key: str) -> str:
 
 def write_note(state_dir: str, note: dict[str, Any]) -> None:
     """Leave `note` (keys task_key, turn_key, started_at, owner_pid, owner_start, reason, killed_by,
-    killed, signals, duration_ms) for the turn's owner. Never raises."""
+    killed, signals, duration_ms, usage) for the turn's owner. Never raises."""
     path = note_path(state_dir, note["task_key"], note["turn_key"])
     tmp = f"{path}.{os.getpid()}.tmp"
     try:

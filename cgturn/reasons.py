@@ -26,7 +26,9 @@ REAP_ON_EXIT = "reap-on-exit"    # `cgturn run --reap-on-exit`: the command exit
 NOT_FOUND = "not-found"          # `cgturn run`: the command could not be found
 NOT_EXECUTABLE = "not-executable"  # `cgturn run`: the command could not be executed
 SIGNAL_PREFIX = "signal:"        # `cgturn run` got a signal: `signal:SIGINT`
-OOM = "oom"                      # a `limit` audit record: the kernel OOM-killed a turn's process
+OOM = "oom"                      # the kernel OOM-killed a turn's process (a `limit` audit record), or
+                                 # the sentinel abandoned the turn at that kill (`cgturn run --oom-kills-turn`)
+CPU_TIME = "cpu-time"            # the turn's CPU use passed its CPU-time limit (`cgturn run --cpu-time`)
 PIDS_MAX = "pids-max"            # a `limit` audit record: the pids limit refused a fork
 PRESSURE = "pressure"            # the pressure guard abandoned the heaviest turn, or one frozen too long
 CORRUPT_RECORD = "corrupt-record"  # recovery killed a turn directory without a trustworthy record

@@ -192,6 +192,21 @@ class SentinelClient:
                    block=True)
 
 
+    def watch(self, turn: Any, cpu_time: float | None = None, oom: bool = False, grace: float = 2.0) -> bool:
+        """Ask the sentinel to abandon `turn` once its CPU use passes `cpu_time` seconds (reason
+        `cpu-time`, with `grace`) and, when `oom`, at its first OOM kill (reason `oom`, no grace).
+
+        Args:
+            turn: the Turn (its ids are sent).
+            cpu_time: CPU seconds of the turn's cgroup; None: no CPU-time limit.
+            oom: abandon the whole turn at its first OOM kill.
+            grace: seconds between SIGTERM and SIGKILL for the CPU-time abandon.
+
+        Returns:
+            True when the sentinel got the message (False: the channel is closed or broken).
+        """
+        return self._send(protocol.watch(turn.task_id, turn.turn_id, cpu_time, oom, grace), block=True)
+
     def track_owned_turns(self) -> None:
         """Track (for owner death only) the running turns this process began before attaching."""
         for task_id, turn_id in self._manager._control.running_turns_of_caller():

@@ -3,7 +3,8 @@ checked in one place so that neither end can drift from the other.
 
 Channel: an AF_UNIX SOCK_SEQPACKET socketpair; each datagram is one JSON object with `op` and `v`, the
 protocol version. Owner to sentinel: `track` (a turn's deadlines), `touch` (activity), `untrack` (the
-turn ended), `lease` (a completed turn's lease expiry, wall clock). Sentinel to owner, once: `ready`
+turn ended), `lease` (a completed turn's lease expiry, wall clock), `watch` (the turn's CPU-time limit
+and whether its first OOM kill abandons it). Sentinel to owner, once: `ready`
 or `error`. Times are CLOCK_MONOTONIC except a lease's expiry.
 
 Versions: the owner starts its sentinel with `--protocol VERSION`; a sentinel of another version
@@ -21,12 +22,13 @@ from typing import Any
 
 from . import ids
 
-# Bump on any change a peer of the previous version would misread.
-VERSION = 1
+# Bump on any change a peer of the previous version would misread (2: `watch`, which a version-1
+# sentinel would drop, leaving a CPU-time limit unenforced).
+VERSION = 2
 # The largest datagram either end accepts. Ids are at most ids.MAX_ID_BYTES each, so a `track` (two
 # ids, each byte escaped as \u00XX at worst) always fits; anything larger is refused, never cut.
 MAX_MESSAGE = 65536
-OWNER_OPS = ("track", "touch", "untrack", "lease")
+OWNER_OPS = ("track", "touch", "untrack", "lease", "watch")
 SENTINEL_OPS = ("ready", "error")
 
 
@@ -55,6 +57,13 @@ def untrack(task_key: str, turn_key: str) -> dict[str, Any]:
 def lease(task_key: str, turn_key: str, expires_at: float | None) -> dict[str, Any]:
     """A completed turn's survivors may live until wall clock `expires_at` (None: no lease)."""
     return {"v": VERSION, "op": "lease", "key": [task_key, turn_key], "expires_at": expires_at}
+
+
+def watch(task_id: str, turn_id: str, cpu_time: float | None, oom: bool, grace: float) -> dict[str, Any]:
+    """Abandon the turn once its CPU use passes `cpu_time` seconds (reason `cpu-time`, with `grace`),
+    and, when `oom`, at its first OOM kill (reason `oom`, no grace)."""
+    return {"v": VERSION, "op": "watch", "key": key(task_id, turn_id), "task": task_id, "turn": turn_id,
+            "cpu_time": cpu_time, "oom": oom, "grace": grace}
 
 
 def ready(log_problem: str | None) -> dict[str, Any]:
@@ -102,16 +111,22 @@ def parse_message(data: bytes) -> dict[str, Any]:
     if not (isinstance(key_, list) and len(key_) == 2 and all(isinstance(k, str) and k for k in key_)):
         raise ValueError(f"bad key {key_!r:.80}")
     out: dict[str, Any] = {"op": msg["op"], "key": tuple(key_)}
-    if msg["op"] == "track":
+    if msg["op"] in ("track", "watch"):
         for name in ("task", "turn"):
             out[name] = ids.validate(msg.get(name), name)
         if key(out["task"], out["turn"]) != key_:
             raise ValueError("key does not match the ids")
+        out["grace"] = _number(msg, "grace", optional=True) or 0.0
+    if msg["op"] == "track":
         out["deadline"] = _number(msg, "deadline", optional=True)
         out["inactivity"] = _number(msg, "inactivity", optional=True)
-        out["grace"] = _number(msg, "grace", optional=True) or 0.0
         last = _number(msg, "last", optional=True)
         out["last"] = time.monotonic() if last is None else last
+    elif msg["op"] == "watch":
+        out["cpu_time"] = _number(msg, "cpu_time", optional=True)
+        if not isinstance(msg.get("oom"), bool):
+            raise ValueError(f"oom is not true or false: {msg.get('oom')!r:.40}")
+        out["oom"] = msg["oom"]
     elif msg["op"] == "touch":
         out["at"] = _number(msg, "at")
     elif msg["op"] == "lease":

@@ -2,7 +2,7 @@
 that are due, expire leases.
 
 It holds every tracked turn's hard deadline and inactivity timeout (`TurnClock`, the clocks of
-cgturn.clocks plus SLACK) and abandons the turn through the same library path as the owner (a
+cgturn.clocks plus sentinel_watch.SLACK) and abandons the turn through the same library path as the owner (a
 TurnManager of its own, so the atomic first-transition-wins rule and the audit log hold).
 
 Owner death: the sentinel holds a pidfd of the owner (5.3+) and also sees EOF on the socket. When the
@@ -16,6 +16,9 @@ emptied completed turn is removed then, as completion removes an empty turn. Com
 told about (`untrack`) are looked at on the next sweeps too, while it runs anyway: one whose survivors
 all exited is removed, rather than lingering as `completed` with no pids until `cgturn reap`. It exits
 when it tracks nothing, holds no lease, and the owner's channel is closed.
+
+Watches (`cgturn run --cpu-time`, `--oom-kills-turn`; cgturn.sentinel_watch): a watched turn is
+abandoned once its CPU use passes its limit (reason `cpu-time`) or at its first OOM kill (`oom`).
 """
 from __future__ import annotations
 
@@ -24,46 +27,28 @@ import select
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import clocks, ids, leases, probes, reasons, recovery
 from .logfields import turn_fields
 from .model import ABANDONED, COMPLETED
 from .sentinel_protocol import MAX_MESSAGE, parse_message
+from .sentinel_watch import OOM_LOOK, TurnClock, Watch
+from .sweeps import SweepRounds
 
 if TYPE_CHECKING:
     from .manager import TurnManager
 
 log = logging.getLogger("cgturn.sentinel")
 
-# Added to every due time in the sentinel: covers the owner's touch rate limit and lets the
-# in-process watchdog (which fires the interrupt and knows the exact activity) act first when it can.
-SLACK = 0.25
-# How often the sentinel drops clocks of turns that ended without telling it (CLI stop, end_task).
+# How often the sentinel drops clocks of turns that ended without telling it (CLI stop, end_task)
+# and audits the limit events of the turns it tracks, at most: one look reads a record and the
+# turn's counters (~0.1 ms), so with thousands of tracked turns a sweep is done in steps of at most
+# SWEEP_STEP seconds, round robin, and the next step waits long enough for the sweep to use at most
+# SWEEP_DUTY of a core (10,000 tracked turns: a full round in minutes, while the loop stays responsive).
 SWEEP_INTERVAL = 0.5
-
-
-@dataclass
-class TurnClock:
-    """One tracked turn: its deadlines as the sentinel sees them."""
-
-    task: str
-    turn: str
-    deadline: float | None
-    inactivity: float | None
-    grace: float
-    last: float
-    # Frozen time the clocks leave out, learnt from the turn's record when a due time arrives.
-    frozen: clocks.FrozenTime = field(default_factory=clocks.FrozenTime)
-
-    def due(self) -> tuple[float, str] | None:
-        """(monotonic time at which to abandon, reason), or None when only owner death ends it."""
-        return clocks.due(self.deadline, self.inactivity, self.last, self.frozen, SLACK)
-
-    def due_after_look(self, state: tuple[float, bool], now: float) -> tuple[float, str] | None:
-        """`due` once a fresh `clocks.frozen_state` of the turn's record is accounted."""
-        return clocks.due_after_look(self.deadline, self.inactivity, self.last, self.frozen, state, now, SLACK)
+SWEEP_STEP = 0.005
+SWEEP_DUTY = 0.005
 
 
 class Sentinel:
@@ -80,13 +65,17 @@ class Sentinel:
         self._control = manager._control
         self.sock: socket.socket | None = sock
         self.tracked: dict[tuple[str, str], TurnClock] = {}
+        # The tracked turns with a deadline or an inactivity timeout: the only clocks a wake-up looks
+        # at (most turns are tracked for owner death alone, and there may be thousands of them).
+        self.timed: set[tuple[str, str]] = set()
+        self._rounds = SweepRounds(SWEEP_INTERVAL, SWEEP_STEP, SWEEP_DUTY)
         self.leases: dict[tuple[str, str], float] = {}  # turn key -> monotonic time to look at its lease
         self.ended: set[tuple[str, str]] = set()  # turns the owner ended: removed here once emptied
+        self.watches: dict[tuple[str, str], Watch] = {}  # turns with a CPU-time limit or an OOM watch
         self.owner_pidfd = probes.open_owner(owner_pid, owner_start)
         self.owner_dead = self.owner_pidfd is None
         self.orphaned = False  # the owner is dead and its running turns were abandoned
         self.kills: list[threading.Thread] = []
-        self._next_sweep = time.monotonic() + SWEEP_INTERVAL
 
     def run(self) -> None:
         """Serve until nothing is tracked and the owner's channel is closed, or the owner died."""
@@ -100,9 +89,10 @@ class Sentinel:
                     self.sock.close()
                     self.sock = None
             self._fire_due()
+            self._look_at_watches()
             self._expire_due_leases()
             self._sweep()
-            if self.sock is None and not self.tracked and not self.leases:
+            if self.sock is None and not self.tracked and not self.leases and not self.watches:
                 break
         if self.sock is not None:
             self.sock.close()
@@ -113,10 +103,11 @@ class Sentinel:
         if self.owner_dead and not self.orphaned:
             return 0.0
         now = time.monotonic()
-        dues = [d[0] for c in self.tracked.values() if (d := c.due()) is not None] + list(self.leases.values())
+        dues = [d[0] for k in self.timed if (d := self.tracked[k].due()) is not None] + list(self.leases.values())
+        dues.extend(w.next_look for w in self.watches.values())
         nearest = min(dues, default=now + 3600)
         if self.tracked or self.leases or self.ended:
-            nearest = min(nearest, self._next_sweep)
+            nearest = min(nearest, self._rounds.next_at)
         return max(0.0, nearest - now)
 
     def _wait_and_read(self, timeout: float) -> None:
@@ -164,12 +155,19 @@ class Sentinel:
             if clock.due() is not None:  # frozen time before the clocks started is not theirs
                 clock.frozen.seen = self._frozen_state(key)[0]
             self.tracked[key] = clock
+            if clock.deadline is not None or clock.inactivity is not None:
+                self.timed.add(key)
+            else:
+                self.timed.discard(key)
         elif op == "touch":
             touched = self.tracked.get(key)
             if touched is not None:
                 touched.last = max(touched.last, msg["at"])
+        elif op == "watch":
+            self.watches[key] = Watch(msg["task"], msg["turn"], msg["cpu_time"], msg["oom"], msg["grace"],
+                                      time.monotonic())
         elif op == "untrack":
-            self.tracked.pop(key, None)
+            self._forget(key)
             self.ended.add(key)  # looked at from the next sweep on: the owner removes an empty one itself
         elif op == "lease":
             if msg["expires_at"] is None:
@@ -179,14 +177,46 @@ class Sentinel:
 
     def _fire_due(self) -> None:
         now = time.monotonic()
-        for key, clock in list(self.tracked.items()):
+        for key in list(self.timed):
+            clock = self.tracked[key]
             due = clock.due()
             if due is not None and due[0] <= now:
                 # The clocks stop while the turn is frozen: the record is read only now.
                 due = clock.due_after_look(self._frozen_state(key, clock.frozen.seen), now)
             if due is not None and due[0] <= now:
-                del self.tracked[key]
+                self._forget(key)
                 self._kill(clock, due[1], clock.grace)
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        """Drop every clock and watch of the turn at `key`."""
+        self.tracked.pop(key, None)
+        self.timed.discard(key)
+        self.watches.pop(key, None)
+
+    def _look_at_watches(self) -> None:
+        """Abandon the watched turns past their CPU-time limit or OOM-killed into; schedule the rest."""
+        now = time.monotonic()
+        for key, watch in list(self.watches.items()):
+            if watch.next_look > now:
+                continue
+            try:
+                rec = self._control.record(*key)
+            except Exception:  # noqa: BLE001 - one unreadable record must not end the sentinel
+                log.exception("cannot read the record of %r", key, extra=_key_fields(key))
+                rec = None
+            if rec is None or rec.state in (COMPLETED, ABANDONED):
+                del self.watches[key]  # it ended: nothing left to watch
+                continue
+            usage = self._control.turn_usage_quietly(rec)
+            verdict = None if usage is None else watch.verdict(usage)
+            if usage is None:  # unreadable this time (logged): look again soon, not at the far bound
+                watch.next_look = now + OOM_LOOK
+                continue
+            if verdict is None:
+                watch.next_look = watch.after(usage.cpu_seconds, now)
+                continue
+            self._forget(key)
+            self._kill(watch, verdict, watch.grace if verdict == reasons.CPU_TIME else 0.0)
 
     def _frozen_state(self, key: tuple[str, str], otherwise: float = 0.0) -> tuple[float, bool]:
         """`clocks.frozen_state` of the turn's record; `otherwise` when it cannot be read."""
@@ -223,11 +253,13 @@ class Sentinel:
             log.exception("sentinel could not expire the lease of %r", key, extra=_key_fields(key, reasons.LEASE_EXPIRED))
 
     def _abandon_all(self, reason: str) -> None:
+        self.watches.clear()  # the watched turns are tracked too: abandoned here
+        self.timed.clear()
         for key, clock in list(self.tracked.items()):
             del self.tracked[key]
             self._kill(clock, reason, 0.0)
 
-    def _kill(self, clock: TurnClock, reason: str, grace: float) -> None:
+    def _kill(self, clock: TurnClock | Watch, reason: str, grace: float) -> None:
         self._start_thread(self._abandon, clock, reason, grace)
 
     def _start_thread(self, target: Callable[..., None], *args: Any) -> None:
@@ -236,7 +268,7 @@ class Sentinel:
         thread.start()
         self.kills.append(thread)
 
-    def _abandon(self, clock: TurnClock, reason: str, grace: float) -> None:
+    def _abandon(self, clock: TurnClock | Watch, reason: str, grace: float) -> None:
         try:
             result = self.manager.turn(clock.task, clock.turn).abandon(reason, grace=grace)
             if not result.skipped:
@@ -247,32 +279,44 @@ class Sentinel:
                           extra=turn_fields(clock.task, clock.turn, reason))
 
     def _sweep(self) -> None:
-        now = time.monotonic()
-        if now < self._next_sweep:
-            return
-        self._next_sweep = now + SWEEP_INTERVAL
-        self._sweep_leases()
-        for key in list(self.tracked):
-            # Only an ended turn loses its clock: a turn whose record was garbled (state "corrupt")
-            # is still a turn to kill when its owner dies.
-            if self._control.turn_state(*key) in (None, COMPLETED, ABANDONED):
-                del self.tracked[key]
-                continue
-            try:  # a limit the kernel enforced is audited even while the owner is stopped
-                self._control.check_limits(*key)
-            except Exception:  # noqa: BLE001 - auditing must never stop the sentinel
-                log.exception("could not check the limits of %r", key, extra=_key_fields(key))
+        if self._rounds.due(time.monotonic()):
+            self._rounds.step(self._sweep_items, self._sweep_item)
 
-    def _sweep_leases(self) -> None:
-        """Forget turns that need no more looking at: leases of turns gone, no longer completed, with
-        the lease cleared or nothing left in them, and ended turns gone or emptied; an emptied
-        completed turn is removed."""
-        for key in list(self.leases):
-            if self._settled(key, leased=True):
+    def _sweep_items(self) -> list[tuple[str, tuple[str, str]]]:
+        """A sweep round: leases, ended turns (to forget once settled), tracked turns."""
+        return ([("lease", k) for k in self.leases] + [("ended", k) for k in self.ended]
+                + [("tracked", k) for k in self.tracked])
+
+    def _sweep_item(self, item: tuple[str, tuple[str, str]]) -> None:
+        """Forget what needs no more looking at: a lease of a turn gone, no longer completed, with the
+        lease cleared or nothing left in it; an ended turn gone or emptied (an emptied completed turn
+        is removed); the clock of a tracked turn that ended. A running tracked turn gets its limit
+        events audited (even while its owner is stopped)."""
+        kind, key = item
+        if kind == "lease":
+            if key in self.leases and self._settled(key, leased=True):
                 del self.leases[key]
-        for key in list(self.ended):
-            if key not in self.leases and self._settled(key, leased=False):
+            return
+        if kind == "ended":
+            if key in self.ended and key not in self.leases and self._settled(key, leased=False):
                 self.ended.discard(key)
+            return
+        if key not in self.tracked:
+            return  # forgotten since the round began
+        try:
+            rec = self._control.record(*key)
+        except Exception:  # noqa: BLE001 - one unreadable record must not end the sentinel
+            log.exception("cannot read the record of %r", key, extra=_key_fields(key))
+            return
+        # Only an ended turn loses its clock: a turn whose record was garbled (state "corrupt") is
+        # still a turn to kill when its owner dies.
+        if rec is None or rec.state in (COMPLETED, ABANDONED):
+            self._forget(key)
+            return
+        try:
+            self._control.check_limits(*key, rec=rec)
+        except Exception:  # noqa: BLE001 - auditing must never stop the sentinel
+            log.exception("could not check the limits of %r", key, extra=_key_fields(key))
 
     def _settled(self, key: tuple[str, str], leased: bool) -> bool:
         """True when the turn at `key` needs no more looking at (removed here if it emptied)."""

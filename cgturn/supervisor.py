@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from .turn import Turn
 
 from . import clocks, reasons, sentinel, watchdog
-from .errors import LockTimeout, NoSuchTurn
+from .errors import LockTimeout, NoSuchTurn, SentinelUnavailable
+from .limits import cpu_time_problem
 from .logfields import turn_fields
 from .model import COMPLETED, RUNNING, AbandonResult
 from .outcome import Outcome
@@ -88,19 +89,27 @@ class Supervisor:
             kill, an exception kills anyway (fail open).
         run: API-server markers to set while the worker runs and clear the instant it finishes.
         use_sentinel: also register the deadlines with the manager's sentinel (when enabled there).
+        cpu_time: abandon the turn once its cgroup's CPU use passes this many seconds (reason
+            `cpu-time`, with `grace`); the sentinel watches it, so it needs one.
+        oom_kills_turn: abandon the whole turn at its first OOM kill (reason `oom`, no grace), for
+            layouts without a group OOM kill (v1); watched by the sentinel too.
 
     Raises:
-        ValueError: timeout or deadline not > 0, grace < 0.
+        ValueError: timeout or deadline not > 0, grace < 0, cpu_time not in (0, MAX_CPU_TIME].
+        SentinelUnavailable: (at start) cpu_time or oom_kills_turn with the sentinel switched off.
         NoSuchTurn: the turn is not running.
     """
 
     def __init__(self, turn: Turn, *, timeout: float | None = None, deadline: float | None = None, grace: float = 2.0,
                  on_interrupt: Callable[[str], Any] | None = None, activity: Callable[[], float | None] | None = None,
                  is_still_current: Callable[[], bool] | None = None, run: Run | None = None,
-                 use_sentinel: bool = True) -> None:
+                 use_sentinel: bool = True, cpu_time: float | None = None, oom_kills_turn: bool = False) -> None:
         for name, value in (("timeout", timeout), ("deadline", deadline)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
+        if cpu_time is not None and (problem := cpu_time_problem(cpu_time)):
+            raise ValueError(f"cpu_time {problem}, got {cpu_time!r}")
+        self.cpu_time, self.oom_kills_turn = cpu_time, oom_kills_turn
         if not grace >= 0:
             raise ValueError(f"grace must be >= 0, got {grace!r}")
         state = turn.state
@@ -255,6 +264,14 @@ class Supervisor:
         # Attached before the clocks start: the first attach waits for the sentinel to report ready
         # (an interpreter start), which must not count as the worker's time.
         client = sentinel.attach(self.turn.manager) if self._use_sentinel else None
+        watched = self.cpu_time is not None or self.oom_kills_turn
+        if watched and client is None:
+            raise SentinelUnavailable("a CPU-time limit and oom_kills_turn are enforced by the sentinel, "
+                                      "which is switched off (use_sentinel=False, CGTURN_SENTINEL=0)")
+        # Before anything is set up here: a failure leaves the turn unsupervised, as it was.
+        if watched and client is not None and not client.watch(self.turn, self.cpu_time, self.oom_kills_turn,
+                                                               self.grace):
+            raise SentinelUnavailable("the sentinel could not be told the turn's CPU-time or OOM watch")
         self._started_at = time.monotonic()
         # Inactivity counts from the later of the turn's last touch and now (wall clock since start
         # when nothing touches it); the sentinel gets the same base.

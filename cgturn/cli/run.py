@@ -15,6 +15,13 @@ sentinel, the guard), one stderr line names its reason and the killer's pid, and
 
 When the kernel enforced a limit on the turn (an OOM kill, a refused fork) one stderr line says so
 (`... hit its memory limit ...`, `... hit its pids limit ...`); the status stays CMD's.
+
+`--cpu-time S`: run's sentinel abandons the turn once the CPU use of its cgroup passes S seconds
+(reason `cpu-time`, `--grace` as for `--timeout`; exit 124). `--oom-kills-turn`: the sentinel abandons
+the whole turn at its first OOM kill (reason `oom`, no grace; the status stays CMD's) — what a v2
+group OOM kill does, for v1 layouts that have none. Both need the sentinel (exit 125 without one).
+`--report FILE|-` writes one JSON object when the run ends, whatever the end (cgturn.run_report;
+`-`: the last line of stdout).
 """
 from __future__ import annotations
 
@@ -28,7 +35,8 @@ import sys
 
 from .. import reasons
 from ..errors import CgturnError, TurnExists
-from . import common
+from . import common, run_reporter
+from .run_reporter import limit_messages
 
 DEFAULT_TASK = "cli"
 EXIT_TIMEOUT = 124
@@ -69,6 +77,12 @@ def register(sub) -> None:
     p.add_argument("--group", help="and with this group (default: the user's primary group)")
     p.add_argument("--extra-groups", type=lambda text: [g for g in text.split(",") if g], metavar="G,...",
                    help="supplementary groups (default: the user's, from the group database)")
+    p.add_argument("--cpu-time", type=common.library_arg(_parse_cpu_time, "cpu-time"), metavar="S",
+                   help="abandon the turn once its processes used S CPU seconds in all (exit 124)")
+    p.add_argument("--oom-kills-turn", action="store_true",
+                   help="abandon the whole turn at its first OOM kill (v1 layouts have no group OOM kill)")
+    p.add_argument("--report", metavar="FILE|-",
+                   help="write how the run ended and what it used as one JSON object to FILE (-: stdout, last)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
     p.set_defaults(handler=run)
 
@@ -78,9 +92,20 @@ def run(args) -> int:
     if not cmd:
         raise ValueError("run needs a command after --")
     limits = common.limits_from_args(args)  # contradictions exit 2 here, before a sentinel or a turn
+    report = run_reporter.Reporter(args.report)  # a report file that cannot be written exits 2 here
+    try:
+        code = _run(args, cmd, limits, report)
+    except BaseException:
+        report.close()
+        raise
+    report.write(code)
+    return code
+
+
+def _run(args, cmd: list[str], limits, report: "run_reporter.Reporter") -> int:
     too_small = _below_one_page(limits)
     if too_small:
-        return _cannot_start(cmd, too_small)
+        return report.not_started(_cannot_start(cmd, too_small), too_small)
     from ..identity import resolve_identity
     resolve_identity(args.user, args.group, args.extra_groups)  # an unknown user or group exits 2 here too
     from .. import Supervisor  # supervision pulls in asyncio: only `run` pays for it
@@ -88,7 +113,7 @@ def run(args) -> int:
     try:
         manager = common.make_manager(args)
     except CgturnError as err:
-        return _cannot_start(cmd, err)
+        return report.not_started(_cannot_start(cmd, err), err)
     try:
         # Started before the turn exists, so the turn is guarded against our death from its first
         # moment (a SIGKILLed `cgturn run` must not leave CMD running). Without a sentinel that
@@ -100,10 +125,15 @@ def run(args) -> int:
         except TurnExists:
             raise  # bad input (exit 2), not a failure to start
         except CgturnError as err:  # SentinelUnavailable, LimitsUnavailable, ...: CMD never started
-            return _cannot_start(cmd, err)
-        return _supervise(turn, cmd, args, limits, sentinel_pid=sentinel_pid)
+            return report.not_started(_cannot_start(cmd, err), err)
+        return _supervise(turn, cmd, args, limits, report, sentinel_pid=sentinel_pid)
     finally:
         manager.close()
+
+
+def _parse_cpu_time(text: str) -> float:
+    from ..limits import parse_cpu_time
+    return parse_cpu_time(text)
 
 
 def _key(text: str) -> str:
@@ -146,14 +176,15 @@ def _cannot_start(cmd: list[str], err: CgturnError | str) -> int:
     return EXIT_CANNOT_START
 
 
-def _supervise(turn, cmd: list[str], args, limits, sentinel_pid: int | None = None) -> int:
+def _supervise(turn, cmd: list[str], args, limits, report: "run_reporter.Reporter",
+               sentinel_pid: int | None = None) -> int:
     """Run CMD in the turn under a Supervisor; report limit hits; map its outcome to the exit status.
 
     `--timeout` is the supervisor's inactivity timeout with no activity source, i.e. wall-clock time
     since start (reason `timeout`); the sentinel holds it too, so a SIGSTOPped `cgturn run` still
     loses its turn on time, and a SIGKILLed one loses it at once (`owner-died`).
     """
-    from .. import AlreadyRunning, NoSuchTurn, Supervisor
+    from .. import AlreadyRunning, Supervisor
 
     timeout, grace, reap_on_exit = args.timeout, args.grace, args.reap_on_exit
     received: list[int] = []
@@ -162,54 +193,35 @@ def _supervise(turn, cmd: list[str], args, limits, sentinel_pid: int | None = No
     previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum)) for sig in FORWARDED}
     previous_fd = signal.set_wakeup_fd(wake_w)
     try:
-        sup = Supervisor(turn, timeout=timeout, grace=grace, on_interrupt=lambda _reason: _poke(wake_w))
+        sup = Supervisor(turn, timeout=timeout, grace=grace, on_interrupt=lambda _reason: _poke(wake_w),
+                         cpu_time=args.cpu_time, oom_kills_turn=args.oom_kills_turn)
         # The clocks run from before CMD starts: a `cgturn run` stopped right after the spawn still
         # loses its turn on time (the sentinel holds the deadlines it was given here).
-        sup.start()
+        try:
+            sup.start()
+        except CgturnError as err:  # the sentinel could not be told a --cpu-time or --oom-kills-turn watch
+            turn.abandon(reasons.ERROR, grace=0)
+            return report.not_started(_cannot_start(cmd, err), err)
+        report.spawning()
         try:
             proc = turn.spawn(cmd, key=args.key, user=args.user, group=args.group, extra_groups=args.extra_groups)
         except AlreadyRunning as err:
-            sup.stop(reasons.ERROR, grace=0, interrupt=False)
-            return _cannot_start(cmd, err)
+            return report.not_started(_cannot_start(cmd, err), err, _stop(sup, reasons.ERROR))
         except FileNotFoundError:
-            sup.stop(reasons.NOT_FOUND, grace=0, interrupt=False)
+            usage = _stop(sup, reasons.NOT_FOUND)
             print(f"cgturn: {cmd[0]}: command not found", file=sys.stderr)
-            return EXIT_NOT_FOUND
+            return report.not_started(EXIT_NOT_FOUND, "command not found", usage)
         except PermissionError:
-            sup.stop(reasons.NOT_EXECUTABLE, grace=0, interrupt=False)
+            usage = _stop(sup, reasons.NOT_EXECUTABLE)
             print(f"cgturn: {cmd[0]}: permission denied", file=sys.stderr)
-            return EXIT_NOT_EXECUTABLE
+            return report.not_started(EXIT_NOT_EXECUTABLE, "permission denied", usage)
         except CgturnError as err:  # the process could not be put into the turn or its limits
-            sup.stop(reasons.ERROR, grace=0, interrupt=False)
-            return _cannot_start(cmd, err)
+            return report.not_started(_cannot_start(cmd, err), err, _stop(sup, reasons.ERROR))
         except OSError as err:  # the exec itself failed, e.g. for want of memory inside the turn's limit
-            sup.stop(reasons.ERROR, grace=0, interrupt=False)
-            return _cannot_start(cmd, _exec_failure(err, limits))
+            why = _exec_failure(err, limits)
+            return report.not_started(_cannot_start(cmd, why), why, _stop(sup, reasons.ERROR))
         outcome = sup.run_blocking(_worker, sup, turn, proc, wake_r, received, reap_on_exit)
-        for line in limit_messages(outcome.usage, limits):  # read before the turn completed or was removed
-            print(f"cgturn: {line}", file=sys.stderr)
-        if outcome.completed and args.keep_for is not None:
-            try:
-                turn.set_lease(args.keep_for)
-            except NoSuchTurn:
-                pass  # nothing was left running: the completed turn is already gone
-        if outcome.completed or outcome.reason == reasons.REAP_ON_EXIT:
-            code = outcome.result if outcome.completed else proc.returncode
-            return code if code >= 0 else 128 - code
-        # Our own sentinel holding our --timeout is not "someone else" (exit 124 below).
-        # When the killer cannot be told (its note not found in time under load), a timeout while we
-        # have one is ours.
-        own_timeout = (outcome.reason in (reasons.TIMEOUT, reasons.DEADLINE) and args.timeout is not None
-                       and outcome.killed_by in (sentinel_pid, None))
-        if outcome.external and not own_timeout:
-            who = f"process {outcome.killed_by}" if outcome.killed_by is not None else "another process"
-            print(f"cgturn: the turn was abandoned by {who}: reason {outcome.reason!r}", file=sys.stderr)
-            return _status(proc)
-        if outcome.reason and outcome.reason.startswith(reasons.SIGNAL_PREFIX):
-            return 128 + signal.Signals[outcome.reason.removeprefix(reasons.SIGNAL_PREFIX)]
-        if outcome.error is not None:
-            raise outcome.error
-        return EXIT_TIMEOUT
+        return report.ended(outcome, proc, _status_of(outcome, turn, proc, args, limits, sentinel_pid))
     finally:
         signal.set_wakeup_fd(previous_fd)
         for sig, handler in previous.items():
@@ -217,6 +229,48 @@ def _supervise(turn, cmd: list[str], args, limits, sentinel_pid: int | None = No
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         os.close(wake_r)
         os.close(wake_w)
+
+
+def _stop(sup, reason: str):
+    """Abandon the turn of a CMD that never started; what the turn used (None when unknown)."""
+    result = sup.stop(reason, grace=0, interrupt=False)
+    return result.usage
+
+
+def _status_of(outcome, turn, proc, args, limits, sentinel_pid: int | None) -> int:
+    """Report the limits the kernel enforced, set a lease, and map the outcome to run's exit status."""
+    from .. import NoSuchTurn
+
+    for line in limit_messages(outcome.usage, limits):  # read before the turn completed or was removed
+        print(f"cgturn: {line}", file=sys.stderr)
+    if outcome.completed and args.keep_for is not None:
+        try:
+            turn.set_lease(args.keep_for)
+        except NoSuchTurn:
+            pass  # nothing was left running: the completed turn is already gone
+    if outcome.completed or outcome.reason == reasons.REAP_ON_EXIT:
+        code = outcome.result if outcome.completed else proc.returncode
+        return code if code >= 0 else 128 - code
+    # Our own sentinel holding our --timeout, --cpu-time or --oom-kills-turn is not "someone else".
+    # When the killer cannot be told (its note not found in time under load), a reason we asked
+    # for is ours.
+    ours = outcome.killed_by in (sentinel_pid, None)
+    own_timeout = ours and (outcome.reason in (reasons.TIMEOUT, reasons.DEADLINE) and args.timeout is not None
+                            or outcome.reason == reasons.CPU_TIME and args.cpu_time is not None)
+    own_oom = ours and outcome.reason == reasons.OOM and args.oom_kills_turn
+    if outcome.reason == reasons.CPU_TIME and own_timeout:
+        print(f"cgturn: the turn used its CPU time ({args.cpu_time:g} s): abandoned", file=sys.stderr)
+    if own_oom:
+        return _status(proc)  # an OOM kill ended it: CMD's own status (128+9 as a rule)
+    if outcome.external and not own_timeout:
+        who = f"process {outcome.killed_by}" if outcome.killed_by is not None else "another process"
+        print(f"cgturn: the turn was abandoned by {who}: reason {outcome.reason!r}", file=sys.stderr)
+        return _status(proc)
+    if outcome.reason and outcome.reason.startswith(reasons.SIGNAL_PREFIX):
+        return 128 + signal.Signals[outcome.reason.removeprefix(reasons.SIGNAL_PREFIX)]
+    if outcome.error is not None:
+        raise outcome.error
+    return EXIT_TIMEOUT
 
 
 def _status(proc) -> int:
@@ -258,28 +312,6 @@ def _audit_limits(turn) -> None:
         turn.check_limits()
     except CgturnError as err:
         print(f"cgturn: warning: cannot check the turn's limits: {err}", file=sys.stderr)
-
-
-def limit_messages(usage, limits) -> list[str]:
-    """One line per limit the kernel enforced on the turn (`usage`), naming the turn's own limit from
-    `limits` when it set one (else the hit came from its task's or the managed root's budget)."""
-    if usage is None:
-        return []
-    lines = []
-    if usage.oom_kills:
-        value = limits.memory_max if limits is not None else None
-        which = f"its memory limit ({common.format_size(value)})" if isinstance(value, int) else \
-            "a memory limit (its task's or the managed root's)"
-        lines.append(f"the turn hit {which}: {_count(usage.oom_kills, 'process', 'processes')} OOM-killed")
-    if usage.pids_max_hits:
-        value = limits.pids_max if limits is not None else None
-        which = f"its pids limit ({value})" if isinstance(value, int) else "a pids limit"
-        lines.append(f"the turn hit {which}: {_count(usage.pids_max_hits, 'fork', 'forks')} refused")
-    return lines
-
-
-def _count(n: int, one: str, many: str) -> str:
-    return f"{n} {one if n == 1 else many}"
 
 
 def _poke(fd: int) -> None:
