@@ -89,11 +89,13 @@ def command(writable: list[str], cwd, identity: Identity | None, filter_fd: int)
     resolv = _resolv_conf_under_run()
     if resolv is not None:  # systemd-resolved's stub: DNS keeps working with a private /run
         args += ["--ro-bind", resolv, resolv]
-    for path in writable:
-        args += ["--bind", path, path]
     base = os.path.abspath(os.fsdecode(cwd)) if cwd is not None else os.getcwd()
     if _private(base) and not any(base == p or base.startswith(p + "/") for p in writable):
-        args += ["--ro-bind", base, base]  # the working directory exists in the sandbox, read-only
+        # the working directory exists in the sandbox, read-only; bound first: bubblewrap binds in order,
+        # and a writable path below it must come on top
+        args += ["--ro-bind", base, base]
+    for path in writable:
+        args += ["--bind", path, path]
     caps: tuple[str, ...] = KEPT_CAPS
     if identity is not None:
         if identity.uid == 0:
