@@ -330,17 +330,23 @@ def test_a_sealed_turn_without_network_reaches_no_host_socket(cgroup2_manager, t
         paths.append(path)
     script = ("import socket, sys, json, errno\nout = {}\n"
               "for target in sys.argv[1:]:\n"
-              "    fam = socket.AF_UNIX if target.startswith('/') else socket.AF_INET\n"
-              "    addr = target if fam == socket.AF_UNIX else ('127.0.0.1', int(target))\n"
+              "    fam = socket.AF_UNIX if target[0] in '/@' else socket.AF_INET\n"
+              "    addr = ('\\0' + target[1:] if target[0] == '@' else target) if fam == socket.AF_UNIX \\\n"
+              "        else ('127.0.0.1', int(target))\n"
               "    try:\n        socket.socket(fam).connect(addr); out[target] = 'ok'\n"
               "    except OSError as err:\n        out[target] = errno.errorcode[err.errno]\n"
               "print(json.dumps(out))\n")
+    abstract = socket.socket(socket.AF_UNIX)
+    abstract.bind(f"\0cgturn-test-{os.getpid()}-{tmp_path.name}")
+    abstract.listen()
+    listeners.append(abstract)
     try:
         turn = cgroup2_manager.begin_turn("net", seal=True, network="none")
         port = str(tcp.getsockname()[1])
-        out = turn.spawn([PY, "-c", script, port, *paths], stdout=subprocess.PIPE, text=True,
-                         cwd=str(tmp_path)).communicate(timeout=30)[0]
-        assert json.loads(out) == {port: "ECONNREFUSED", paths[0]: "ENOENT", paths[1]: "ENOENT"}
+        out = turn.spawn([PY, "-c", script, port, *paths, "@" + abstract.getsockname()[1:].decode()],
+                         stdout=subprocess.PIPE, text=True, cwd=str(tmp_path)).communicate(timeout=30)[0]
+        assert json.loads(out) == {port: "ECONNREFUSED", paths[0]: "ENOENT", paths[1]: "ENOENT",
+                                   "@" + abstract.getsockname()[1:].decode(): "ECONNREFUSED"}
         # and it cannot go back to the host's network: setns needs CAP_SYS_ADMIN (an fd to it, handed over)
         host_net = os.open("/proc/self/ns/net", os.O_RDONLY)
         try:
@@ -459,3 +465,16 @@ def test_a_sealed_turn_combines_limits_a_user_and_no_network(cgroup2_manager, tm
     turn.abandon("test", grace=0)
     out.wait(timeout=10)
     out.stdout.close()
+
+
+def test_cli_run_seal_writable_and_its_bad_input(cgroup2_root, state_dir, tmp_path):
+    given = tmp_path / "given"
+    given.mkdir()
+    out = cli(cgroup2_root, state_dir, "run", "--seal", "--writable", str(given), "--", "sh", "-c",
+              f"touch {given}/a && echo given; touch ./b 2>/dev/null || echo read-only")
+    assert (out.returncode, out.stdout.split()) == (0, ["given", "read-only"]), out.stderr
+    assert (given / "a").exists() and not os.path.exists("b")   # the working directory (the test's)
+    for argv in (["--seal", "--writable", "/"], ["--writable", str(given)]):
+        bad = cli(cgroup2_root, state_dir, "run", "--task", "never", *argv, "--", "touch", str(tmp_path / "c"))
+        assert bad.returncode == 2 and "writable" in bad.stderr, bad.stderr
+    assert not (tmp_path / "c").exists() and not os.path.exists(os.path.join(cgroup2_root, "never"))

@@ -25,6 +25,8 @@ import os
 
 from ..errors import IsolationUnavailable
 from ..identity import Identity
+from ..writable import writable_paths
+from ..kernel import sandbox
 from . import seal_filter
 from .isolation import SETPRIV, helper
 
@@ -38,38 +40,9 @@ KEPT_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_N
 # A `user=` spawn also keeps these until setpriv(1) has switched its ids: a change from uid 0 to
 # non-zero clears the permitted, effective and ambient sets (capabilities(7)), so the target has none.
 ID_CAPS = ("CAP_SETUID", "CAP_SETGID")
-# Never writable: the kernel's interfaces (and /dev's real devices: a block device opened for writing
-# is the whole disk, read-only mount or not).
-# bubblewrap 0.8 makes these read-only on its fresh /proc only where access(2) says they are writable,
-# and as root it found /proc/sys not to be (seen here): bound read-only explicitly. The sources are
-# the host's /proc, which is the same for these (sysctls are read through the reader's namespaces).
-PROC_READ_ONLY = ("--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger",
-                  "--ro-bind-try", "/proc/irq", "/proc/irq", "--ro-bind-try", "/proc/bus", "/proc/bus")
-NEVER_WRITABLE = ("/proc", "/sys", "/dev")
-
-
-def writable_paths(writable, cwd) -> list[str]:
-    """The paths a sealed spawn may write besides its private /tmp: `writable` as given, else its
-    working directory (`cwd`, or this process's) unless that is `/`.
-
-    Raises:
-        ValueError: `/`, a path below /proc, /sys or /dev, or one that does not exist.
-    """
-    base = os.path.abspath(os.fsdecode(cwd)) if cwd is not None else os.getcwd()
-    if writable is None:
-        return [] if base == "/" else [base]
-    if isinstance(writable, (str, bytes, os.PathLike)):
-        writable = [writable]
-    out = []
-    for path in writable:
-        full = os.path.normpath(os.path.join(base, os.fsdecode(path)))
-        if full == "/" or any(full == top or full.startswith(top + "/") for top in NEVER_WRITABLE):
-            raise ValueError(f"writable= cannot name {full!r} in a sealed turn")
-        if not os.path.exists(full):
-            raise ValueError(f"writable= names {full!r}, which does not exist")
-        out.append(full)
-    return out
-
+# /proc/sys first: the one bubblewrap must have (the others may be missing on a kernel without them).
+PROC_READ_ONLY = tuple(arg for i, path in enumerate(sandbox.PROC_HOST_STATE)
+                       for arg in ("--ro-bind" if i == 0 else "--ro-bind-try", path, path))
 
 def _private(path: str) -> bool:
     return any(path == top or path.startswith(top + "/") for top in ("/tmp", "/run"))
@@ -84,7 +57,7 @@ def command(writable: list[str], cwd, identity: Identity | None, filter_fd: int)
         ValueError: `identity` keeps uid 0 (a sealed spawn cannot switch groups and stay root).
     """
     args = [helper(BWRAP, "bubblewrap"), "--unshare-pid", "--unshare-cgroup", "--unshare-ipc",
-            "--ro-bind", "/", "/", "--proc", "/proc", *PROC_READ_ONLY,
+            "--ro-bind", "/", "/", "--proc", sandbox.PROC, *PROC_READ_ONLY,
             "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
     resolv = _resolv_conf_under_run()
     if resolv is not None:  # systemd-resolved's stub: DNS keeps working with a private /run
