@@ -19,7 +19,7 @@ import subprocess
 
 import pytest
 
-from conftest import PY, cli, turn_dir, wait_until
+from conftest import PY, cli, force_spawn_path, turn_dir, wait_until
 from cgturn import Limits
 from cgturn.kernel.cgroupfs import Cgroup
 
@@ -186,6 +186,13 @@ def ns_pids(pid: int) -> list[int]:
     """A process's pids, outermost PID namespace first (/proc/PID/status NSpid)."""
     with open(f"/proc/{pid}/status") as f:
         return [int(v) for line in f if line.startswith("NSpid:") for v in line.split()[1:]]
+
+
+@pytest.fixture(autouse=True, params=["clone3", "shim"])
+def spawn_path(request, monkeypatch):
+    """Every attack on both ways a sealed spawn starts: cloned into the turn, or through the gated shim."""
+    force_spawn_path(monkeypatch, request.param)
+    return request.param
 
 
 @pytest.fixture
