@@ -141,10 +141,10 @@ class TurnManager:
                 `oom_group=False`.
             admit_timeout: while the managed root's pressure guard reports pressure, wait up to this
                 many seconds for it to clear (None: start at once, as with no guard armed).
-            seal: no way out of the turn for its processes, root too: each spawn gets private mount
-                and cgroup namespaces (the cgroup namespace rooted at the turn) with every cgroup mount
-                read-only, and loses CAP_SYS_ADMIN, CAP_SYS_PTRACE, CAP_SYS_MODULE before its target
-                runs. Processes adopted or entered are not sealed.
+            seal: no way out of the turn for its processes, root too: each spawn execs bubblewrap
+                after joining the turn (its own PID namespace, the host read-only but for the paths it
+                may write, five capabilities, a syscall filter; docs/security.md). Processes adopted or
+                entered are not sealed.
             network: "host" (the host's network) or "none": one network namespace shared by every
                 process of the turn, with only loopback, up; spawns enter it before the target runs.
 

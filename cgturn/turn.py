@@ -151,8 +151,9 @@ class Turn:
         Accepts subprocess.Popen's keyword arguments except `executable`. `user`, `group` and
         `extra_groups` take effect after the process joined its turn (util-linux setpriv execs the
         target): `user` alone also gives the user's primary group and its groups from the group
-        database; `group` alone clears supplementary groups. The environment gains CGTURN_TASK,
-        CGTURN_TURN (encoded names) and CGTURN_SCOPE.
+        database; `group` alone clears supplementary groups. In a sealed turn, `writable` names the
+        paths the process may write (default: its working directory; docs/security.md). The
+        environment gains CGTURN_TASK, CGTURN_TURN (encoded names) and CGTURN_SCOPE.
 
         Raises:
             NoSuchTurn: the turn is no longer running (completed or abandoned).

@@ -19,7 +19,7 @@ from ..errors import IsolationUnavailable
 from ..kernel import procfs
 from ..kernel.cgroupfs import Cgroup
 from ..model import RUNNING, TurnRecord
-from . import isolation
+from . import isolation, seal
 
 TurnKey = tuple[str, str]
 
@@ -47,7 +47,7 @@ class TurnIsolation:
         """
         self.release_ended()
         if record.sealed:
-            isolation.check_seal()
+            seal.check()
         if record.network == "host":
             return None
         isolation.helper(isolation.NSENTER)

@@ -2,7 +2,7 @@
 
 Popen starts a `/bin/sh` shim that blocks reading a pipe of its own (a "gate", see gates.py); the
 parent writes the shim's pid into the turn's cgroup.procs, then writes "go"; the shim execs the target
-(after the isolation steps of a sealed or network-less turn, isolation.py). If the parent dies first,
+(after the isolation steps of a network-less or sealed turn, isolation.py and seal.py). If the parent dies first,
 the shim reads EOF (or finds no gate) and exits 125. So the process is in the turn before the target
 runs one instruction and before `spawn` returns, Popen keeps its vfork path (thread-safe: no Python
 code between fork and exec), and the parent never waits for the shell to start. preexec_fn would force
@@ -20,9 +20,8 @@ from typing import Callable
 
 from ..errors import NoSuchTurn
 from ..kernel.cgroupfs import Cgroup
-from ..kernel.discovery import cgroup_mount_points
 from ..model import RUNNING, TurnRecord
-from . import isolation
+from . import isolation, seal
 from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, prepare_spawn
 from .gates import SpawnGates
 from .metadata import MetadataStore
@@ -60,14 +59,25 @@ def spawn(record: TurnRecord, target: SpawnTarget, meta: MetadataStore, hooks: S
         ValueError: a refused option, or an unknown user or group (before anything started).
         OSError: as Popen, for the target program (FileNotFoundError, PermissionError, ...).
     """
-    argv, program, kwargs, identity = prepare_spawn(argv, popen_kwargs)
+    writable = popen_kwargs.get("writable")
+    if writable is not None and not record.sealed:
+        raise ValueError("writable= applies to a sealed turn only (begin_turn(..., seal=True))")
+    argv, program, kwargs, identity = prepare_spawn(argv, {k: v for k, v in popen_kwargs.items() if k != "writable"})
     # Run by the shim after "go", in this order: inside the turn, as the caller, before the target.
-    steps = isolation.drop_privileges(identity, record.sealed)
-    if record.sealed:  # read per spawn: the host may have mounted a hierarchy since
-        steps = isolation.seal(cgroup_mount_points()) + steps
+    sealed_fd = None
+    if record.sealed:
+        steps, sealed_fd = seal.steps(writable, kwargs.get("cwd"), identity)
+        kwargs["pass_fds"] = (*kwargs.get("pass_fds", ()), sealed_fd)
+    else:
+        steps = isolation.drop_privileges(identity)
     netns = None
     if record.network != "host":
-        netns = hooks.network_fd()
+        try:
+            netns = hooks.network_fd()
+        except BaseException:
+            if sealed_fd is not None:
+                os.close(sealed_fd)
+            raise
         steps = isolation.enter_network(netns) + steps
         kwargs["pass_fds"] = (*kwargs.get("pass_fds", ()), netns)
     gates = hooks.gates()
@@ -82,8 +92,9 @@ def spawn(record: TurnRecord, target: SpawnTarget, meta: MetadataStore, hooks: S
         gates.discard(gate)
         raise
     finally:
-        if netns is not None:
-            os.close(netns)  # the shim holds its own copy
+        for fd in (netns, sealed_fd):
+            if fd is not None:
+                os.close(fd)  # the shim holds its own copy
     cg = Cgroup(target.cgroup_dir)
     try:
         # Our unreaped child, blocked on its gate: its pid cannot have been recycled.

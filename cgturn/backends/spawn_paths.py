@@ -8,7 +8,8 @@ Paths, preferred first:
 - "shim": the gated /bin/sh shim (shim.py, gates.py): works everywhere, honours every option.
 
 A request goes to the first path that can honour it: which Popen options each path honours is the one
-table in spawn_options.py; a turn with isolation (sealed, network) always takes the shim. Taking the
+table in spawn_options.py; a sealed turn takes clone3 (which execs the seal's chain, seal.py) or the
+shim, and a turn with only a network of its own always takes the shim. Taking the
 shim because of an option logs one debug line naming it. posix_spawn also hands over what it finds
 it cannot do once Popen has arranged the request (kernel/posix_spawn.py). On
 hybrid hosts a turn with v1 directories is joined by the child itself before it execs (clone3
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 from typing import TYPE_CHECKING
 
 from ..errors import KernelError, NoSuchTurn
@@ -38,9 +40,9 @@ from ..kernel import spawn as kspawn
 from ..kernel.cgroupfiles import xattr_or_none
 from ..kernel.cgroupfs import Cgroup
 from ..model import RUNNING
-from . import shim
+from . import isolation, seal, shim
 from .shim import ShimHooks
-from .base import normalize_spawn
+from .base import IDENTITY_KWARGS, normalize_spawn, prepare_spawn
 from .metadata import XATTR_KEY, MetadataStore, record_from_xattr
 from .spawn_options import CLONE3, POSIX_SPAWN, SHIM, SpawnTarget, options_refused_by
 
@@ -81,7 +83,13 @@ def _choose(record: "TurnRecord", popen_kwargs: dict) -> tuple[str, str]:
     native = CLONE3 if can_clone3 else POSIX_SPAWN if can_posix_spawn else None
     if native is None:
         return SHIM, "no native path here"
-    if record.sealed or record.network not in (None, "host"):
+    if record.sealed:
+        if native != CLONE3:
+            return SHIM, "a sealed turn passes an fd (posix_spawn cannot)"
+        # the seal's own chain honours these (seal.py): only the rest is the extension's to honour
+        refused = options_refused_by(CLONE3, {k: v for k, v in popen_kwargs.items() if k not in SEALED_KWARGS})
+        return (SHIM, f"{native} cannot honour {', '.join(refused)}") if refused else (CLONE3, "a sealed turn")
+    if record.network not in (None, "host"):
         return SHIM, "an isolated turn"
     if native == POSIX_SPAWN and record.v1_dirs:
         return SHIM, "posix_spawn cannot join v1 cgroups"
@@ -116,10 +124,39 @@ def spawn(record: "TurnRecord", where: SpawnTarget, meta: MetadataStore, hooks: 
     shim.refuse_under_one_page(record, where, str(argv[0]) if argv else "")
     way = choose(record, popen_kwargs)
     if way != SHIM:
-        proc = _spawn_native(record, where, meta, way, argv, popen_kwargs)
+        if record.sealed:
+            proc = _spawn_sealed(record, where, meta, hooks, argv, popen_kwargs)
+        else:
+            proc = _spawn_native(record, where, meta, way, argv, popen_kwargs)
         if proc is not None:
             return proc
     return shim.spawn(record, where, meta, hooks, argv, popen_kwargs)
+
+
+# Spawn options a sealed spawn's chain takes care of itself (bubblewrap's binds, setpriv).
+SEALED_KWARGS = ("writable", *IDENTITY_KWARGS)
+
+
+def _spawn_sealed(record: "TurnRecord", where: SpawnTarget, meta: MetadataStore, hooks: ShimHooks, argv,
+                  popen_kwargs: dict) -> "subprocess.Popen | None":
+    """A sealed spawn the native way: the child is cloned into the turn and execs the seal's chain
+    ([nsenter →] bwrap [→ setpriv] → the target), so no shim and no gate. None as _spawn_native.
+
+    Raises:
+        as _spawn_native; ValueError for a refused writable path or identity (nothing started).
+    """
+    argv, program, kwargs, identity = prepare_spawn(argv, {k: v for k, v in popen_kwargs.items() if k != "writable"})
+    steps, sealed_fd = seal.steps(popen_kwargs.get("writable"), kwargs.get("cwd"), identity)
+    fds = [sealed_fd]
+    try:
+        if record.network != "host":
+            fds.append(hooks.network_fd())
+            steps = isolation.enter_network(fds[-1]) + steps
+        kwargs["pass_fds"] = (*kwargs.get("pass_fds", ()), *fds)
+        return _spawn_native(record, where, meta, CLONE3, [*steps, program, *argv[1:]], kwargs)
+    finally:
+        for fd in fds:
+            os.close(fd)  # the child holds its own copies
 
 
 def _spawn_native(record: "TurnRecord", where: SpawnTarget, meta: MetadataStore, way: str, argv,

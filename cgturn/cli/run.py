@@ -69,8 +69,10 @@ def register(sub) -> None:
     p.add_argument("--key", type=_key, metavar="K",
                    help="one instance per key in the task: exit 125 while a process spawned with K runs")
     p.add_argument("--seal", action="store_true",
-                   help="no way out of the turn, for root too (private read-only cgroup mounts, a cgroup "
-                        "namespace, no CAP_SYS_ADMIN)")
+                   help="no way out of the turn, for root too: bubblewrap (docs/security.md); the host "
+                        "read-only but for the working directory and a private /tmp")
+    p.add_argument("--writable", action="append", metavar="PATH",
+                   help="with --seal: a path CMD may write (repeatable; given, the working directory is not)")
     p.add_argument("--network", choices=("host", "none"), default="host",
                    help="none: a network namespace of the turn's own, only loopback (default host)")
     p.add_argument("--user", help="run CMD as this user (name or uid), after it joined its turn")
@@ -108,6 +110,11 @@ def _run(args, cmd: list[str], limits, report: "run_reporter.Reporter") -> int:
         return report.not_started(_cannot_start(cmd, too_small), too_small)
     from ..identity import resolve_identity
     resolve_identity(args.user, args.group, args.extra_groups)  # an unknown user or group exits 2 here too
+    if args.writable is not None:  # a refused path exits 2 here, before anything is made
+        if not args.seal:
+            raise ValueError("--writable applies to a sealed turn only (--seal)")
+        from ..writable import writable_paths
+        writable_paths(args.writable, None)
     from .. import Supervisor  # supervision pulls in asyncio: only `run` pays for it
 
     try:
@@ -204,7 +211,9 @@ def _supervise(turn, cmd: list[str], args, limits, report: "run_reporter.Reporte
             return report.not_started(_cannot_start(cmd, err), err)
         report.spawning()
         try:
-            proc = turn.spawn(cmd, key=args.key, user=args.user, group=args.group, extra_groups=args.extra_groups)
+            sealing = {"writable": args.writable} if args.writable is not None else {}
+            proc = turn.spawn(cmd, key=args.key, user=args.user, group=args.group, extra_groups=args.extra_groups,
+                              **sealing)
         except AlreadyRunning as err:
             return report.not_started(_cannot_start(cmd, err), err, _stop(sup, reasons.ERROR))
         except FileNotFoundError:

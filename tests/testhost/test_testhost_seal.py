@@ -1,0 +1,67 @@
+"""A sealed turn's limits on pure cgroup v2 with `nsdelegate` (the test host): the limit-lifting attack
+of issue 21 (a user namespace, then cgroup hierarchies mounted at the turn's own cgroup) against v2
+`memory.max` and `pids.max`, which the development machine cannot test (its limits are v1).
+
+The managed root is `<unit>/turns` of a delegated transient service, as in test_testhost_limits.py.
+The one mount call the attack makes runs only after the test checked that the attacker's mount
+namespace is not PID 1's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cgturn import Limits
+from conftest import wait_until
+from hostlib import systemd_host  # noqa: F401 - the fixture
+from test_seal_attacks import ATTACK
+from test_testhost_limits import MiB, read, turn_dir, unit_manager  # noqa: F401 - the fixture
+
+pytestmark = [pytest.mark.testhost, pytest.mark.usefixtures("systemd_host")]
+
+
+def attacker_pid(turn) -> int:
+    """The host pid of the sealed attacker (bubblewrap and its init are members of the turn too)."""
+    found: list[int] = []
+
+    def look() -> bool:
+        for pid in turn.pids():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if f.read().split(b"\0")[0].decode() == sys.executable:
+                        found.append(pid)
+                        return True
+            except OSError:
+                continue
+        return False
+
+    assert wait_until(look, timeout=60)
+    return found[0]
+
+
+def test_a_sealed_root_process_cannot_lift_v2_memory_max_or_pids_max(unit_manager, tmp_path):
+    mgr = unit_manager
+    turn = mgr.begin_turn("seal", "t1", seal=True, limits=Limits(memory_max=64 * MiB, pids_max=64))
+    cg = turn_dir(mgr, turn)
+    assert (read(cg, "memory.max"), read(cg, "pids.max")) == (str(64 * MiB), "64")
+    proc = turn.spawn([sys.executable, "-c", ATTACK, "limits"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                      text=True, cwd=str(tmp_path))
+    mgr.test_procs.append(proc)
+    attacker = attacker_pid(turn)
+    assert os.readlink(f"/proc/{attacker}/ns/mnt") != os.readlink("/proc/1/ns/mnt")  # before any mount call
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    assert json.loads(proc.stdout.readline()) == {"userns": "EPERM"}
+    assert (read(cg, "memory.max"), read(cg, "pids.max")) == (str(64 * MiB), "64")
+    # and the limit holds: 256 MiB in the sealed turn is an OOM kill (the whole turn, v2's default)
+    hog = turn.spawn([sys.executable, "-c", "b = [b'x' * (1 << 20) for _ in range(256)]; print('allocated')"],
+                     stdout=subprocess.PIPE, text=True, cwd=str(tmp_path))
+    mgr.test_procs.append(hog)
+    out = hog.communicate(timeout=180)[0]
+    assert "allocated" not in out and hog.returncode in (-9, 137)
+    assert turn.usage().oom_kills >= 1
+    turn.abandon("test", grace=0)
