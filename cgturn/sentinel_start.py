@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import json
 import logging
 import os
-import runpy
 import select
 import signal
 import subprocess
@@ -26,6 +26,8 @@ from . import sentinel_protocol as protocol
 if TYPE_CHECKING:
     from .manager import TurnManager
 
+# The sentinel's program, run with `python -m` or, forked, in the child.
+PROGRAM = "cgturn.sentinel_main"
 # The forked sentinel's name (/proc/PID/comm: `ps -e`, `top`, `pgrep cgturn-sentinel`).
 SENTINEL_NAME = "cgturn-sentinel"
 
@@ -51,7 +53,7 @@ def start(manager: "TurnManager", fd: int) -> "subprocess.Popen[bytes] | ForkedS
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
     # stdio on /dev/null: a sentinel must never hold a pipe its owner's caller waits on.
-    return subprocess.Popen([sys.executable, "-m", "cgturn.sentinel_main", *args], pass_fds=(fd,), env=env,
+    return subprocess.Popen([sys.executable, "-m", PROGRAM, *args], pass_fds=(fd,), env=env,
                             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
 
@@ -70,12 +72,11 @@ def _fork(args: list[str], fd: int) -> "ForkedSentinel":
         status = 1
         try:
             _leave_owner(fd)
-            # Run as the exec'd sentinel is run, `python -m cgturn.sentinel_main`, minus the
-            # interpreter start: a program, not a module this one imports (it arms the guard, whose
-            # module starts the sentinel through this one).
-            sys.argv = ["python -m cgturn.sentinel_main", *args]
-            runpy.run_module("cgturn.sentinel_main", run_name="__main__", alter_sys=True)
-            status = 0
+            # Run the program the exec'd sentinel runs, `python -m cgturn.sentinel_main`, minus the
+            # interpreter start: named, as `-m` names it, not imported by this module (it arms the
+            # guard, whose module starts the sentinel through this one). Not runpy.run_module: it
+            # needs a loader with get_code, and an import hook (pytest's) may have none.
+            status = importlib.import_module(PROGRAM).main(args)
         except SystemExit as done:
             status = done.code if isinstance(done.code, int) else 1
         except BaseException:  # noqa: BLE001 - nothing of the owner's may run on in this process

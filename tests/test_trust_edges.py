@@ -375,9 +375,8 @@ def test_an_owner_is_told_when_its_sentinel_cannot_start(cgroup2_manager, monkey
 
     from cgturn import sentinel_start
 
-    # It starts, exits at once and says nothing: exec'd (/bin/false) or forked (its program returns).
-    monkeypatch.setattr(sentinel_start.sys, "executable", "/bin/false")
-    monkeypatch.setattr(sentinel_start.runpy, "run_module", lambda *args, **kwargs: None)
+    # A program that is not there: the sentinel, exec'd or forked, exits at once and says nothing.
+    monkeypatch.setattr(sentinel_start, "PROGRAM", "cgturn.no_such_program")
     with pytest.raises(SentinelUnavailable, match="could not start.*not guarded"):
         sentinel.attach(cgroup2_manager)
     monkeypatch.undo()
