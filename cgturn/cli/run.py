@@ -23,6 +23,8 @@ group OOM kill does, for v1 layouts that have none. Both need the sentinel (exit
 `--report FILE|-` writes one JSON object when the run ends, whatever the end (cgturn.run_report;
 `-`: the last line of stdout).
 """
+# size: one command's whole life (options, start, supervision, exit status) reads best in one place;
+# the report it writes lives in run_reporter.
 from __future__ import annotations
 
 import argparse
