@@ -30,6 +30,15 @@ PACKAGES = [
     "python3", "python3-psutil", "python3-prometheus-client", "python3-pytest", "python3-hypothesis",
     "python3-pytest-xdist", "python3-pyroute2",
 ]
+# Container runtimes (tests/testhost/test_testhost_containers.py): podman with crun needs no daemon;
+# catatonit is what podman builds its pod infra ("pause") image from, locally, for `kube play`;
+# uidmap (newuidmap) and passt are what rootless podman needs.
+PACKAGES += ["podman", "crun", "catatonit", "uidmap", "passt"]
+# The container image's rootfs, made at image-build time (no registry is reachable from the guest):
+# a tarball that the tests `podman import` as localhost/cgturn-test. What cgturn runs on inside it, as
+# Debian packages, as in the guest.
+CONTAINER_PACKAGES = ["python3", "python3-psutil", "python3-pytest", "python3-pyroute2", "procps"]
+CONTAINER_ROOTFS = "/var/lib/cgturn-test/rootfs.tar"
 IMAGE_SIZE = "3G"
 HERE = os.path.dirname(os.path.abspath(__file__))
 RECIPE_DIR = os.path.join(HERE, "image")
@@ -127,7 +136,7 @@ def debian_mirror(apt_dir: str = "/etc/apt") -> str:
 def recipe_hash() -> str:
     """Hash of everything that decides the image's content (not the mirror: any mirror serves the same)."""
     h = hashlib.sha256()
-    h.update(f"{SUITE}\n{' '.join(PACKAGES)}\n{IMAGE_SIZE}\n".encode())
+    h.update(f"{SUITE}\n{' '.join(PACKAGES)}\n{IMAGE_SIZE}\n{' '.join(CONTAINER_PACKAGES)}\n".encode())
     for name in sorted(os.listdir(RECIPE_DIR)):
         with open(os.path.join(RECIPE_DIR, name), "rb") as f:
             h.update(name.encode() + b"\0" + f.read() + b"\0")
@@ -217,6 +226,18 @@ def _build_into(work: str, mirror: str, log) -> None:
         f"--customize-hook=sh {customize} \"$1\"",
         SUITE, rootfs, f"deb {mirror} {SUITE} main",
     ], log)
+    started = time.monotonic()
+    tarball = os.path.join(rootfs, CONTAINER_ROOTFS.lstrip("/"))
+    os.makedirs(os.path.dirname(tarball), exist_ok=True)
+    _run([
+        "mmdebstrap", "--variant=essential", "--mode=root", "--components=main",
+        "--include=" + ",".join(CONTAINER_PACKAGES),
+        "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
+        "--dpkgopt=path-exclude=/usr/share/locale/*", "--dpkgopt=path-exclude=/usr/share/info/*",
+        "--aptopt=Acquire::Retries \"3\"",
+        SUITE, tarball, f"deb {mirror} {SUITE} main",
+    ], log)
+    log.write(f"container rootfs: {os.path.getsize(tarball) >> 20} MiB in {time.monotonic() - started:.0f} s\n")
     boot = os.path.join(rootfs, "boot")
     kernels = sorted(glob.glob(os.path.join(boot, "vmlinuz-*")))
     initrds = sorted(glob.glob(os.path.join(boot, "initrd.img-*")))
