@@ -34,11 +34,12 @@ PACKAGES = [
 # catatonit is what podman builds its pod infra ("pause") image from, locally, for `kube play`;
 # uidmap (newuidmap) and passt are what rootless podman needs.
 PACKAGES += ["podman", "crun", "catatonit", "uidmap", "passt"]
-# The container image's rootfs, made at image-build time (no registry is reachable from the guest):
-# a tarball that the tests `podman import` as localhost/cgturn-test. What cgturn runs on inside it, as
-# Debian packages, as in the guest.
+# The containers' root filesystem, made at image-build time (no registry is reachable from the guest):
+# a directory the tests run with `podman run --rootfs` (read-only: no image import, which cost 249 s
+# of a run under emulation) and `podman import` as localhost/cgturn-test where an image is needed
+# (`kube play`). What cgturn runs on inside it, as Debian packages, as in the guest.
 CONTAINER_PACKAGES = ["python3", "python3-psutil", "python3-pytest", "python3-pyroute2", "procps"]
-CONTAINER_ROOTFS = "/var/lib/cgturn-test/rootfs.tar"
+CONTAINER_ROOTFS = "/var/lib/cgturn-test/rootfs"
 IMAGE_SIZE = "3G"
 HERE = os.path.dirname(os.path.abspath(__file__))
 RECIPE_DIR = os.path.join(HERE, "image")
@@ -136,7 +137,7 @@ def debian_mirror(apt_dir: str = "/etc/apt") -> str:
 def recipe_hash() -> str:
     """Hash of everything that decides the image's content (not the mirror: any mirror serves the same)."""
     h = hashlib.sha256()
-    h.update(f"{SUITE}\n{' '.join(PACKAGES)}\n{IMAGE_SIZE}\n{' '.join(CONTAINER_PACKAGES)}\n".encode())
+    h.update(f"{SUITE}\n{' '.join(PACKAGES)}\n{IMAGE_SIZE}\n{' '.join(CONTAINER_PACKAGES)} {CONTAINER_ROOTFS}\n".encode())
     for name in sorted(os.listdir(RECIPE_DIR)):
         with open(os.path.join(RECIPE_DIR, name), "rb") as f:
             h.update(name.encode() + b"\0" + f.read() + b"\0")
@@ -227,17 +228,17 @@ def _build_into(work: str, mirror: str, log) -> None:
         SUITE, rootfs, f"deb {mirror} {SUITE} main",
     ], log)
     started = time.monotonic()
-    tarball = os.path.join(rootfs, CONTAINER_ROOTFS.lstrip("/"))
-    os.makedirs(os.path.dirname(tarball), exist_ok=True)
+    container_root = os.path.join(rootfs, CONTAINER_ROOTFS.lstrip("/"))
+    os.makedirs(os.path.dirname(container_root), exist_ok=True)
     _run([
         "mmdebstrap", "--variant=essential", "--mode=root", "--components=main",
         "--include=" + ",".join(CONTAINER_PACKAGES),
         "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
         "--dpkgopt=path-exclude=/usr/share/locale/*", "--dpkgopt=path-exclude=/usr/share/info/*",
         "--aptopt=Acquire::Retries \"3\"",
-        SUITE, tarball, f"deb {mirror} {SUITE} main",
+        SUITE, container_root, f"deb {mirror} {SUITE} main",
     ], log)
-    log.write(f"container rootfs: {os.path.getsize(tarball) >> 20} MiB in {time.monotonic() - started:.0f} s\n")
+    log.write(f"container rootfs: {time.monotonic() - started:.0f} s\n")
     boot = os.path.join(rootfs, "boot")
     kernels = sorted(glob.glob(os.path.join(boot, "vmlinuz-*")))
     initrds = sorted(glob.glob(os.path.join(boot, "initrd.img-*")))
