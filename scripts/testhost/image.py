@@ -209,6 +209,12 @@ def _prune(keep: str, unused_days: float = 7.0) -> None:
             shutil.rmtree(entry.path, ignore_errors=True)
 
 
+# Lean: no documentation or translations in a VM (or a container) nobody logs into.
+_LEAN = ["--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
+         "--dpkgopt=path-exclude=/usr/share/locale/*", "--dpkgopt=path-exclude=/usr/share/info/*",
+         "--aptopt=Acquire::Retries \"3\""]
+
+
 def _build_into(work: str, mirror: str, log) -> None:
     rootfs = os.path.join(work, "rootfs")
     hook = os.path.join(RECIPE_DIR, "initramfs-hook")
@@ -216,10 +222,7 @@ def _build_into(work: str, mirror: str, log) -> None:
     _run([
         "mmdebstrap", "--variant=apt", "--mode=root", "--components=main",
         "--include=" + ",".join(PACKAGES),
-        # Lean: no documentation or translations in a VM nobody logs into.
-        "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
-        "--dpkgopt=path-exclude=/usr/share/locale/*", "--dpkgopt=path-exclude=/usr/share/info/*",
-        "--aptopt=Acquire::Retries \"3\"",
+        *_LEAN,
         # Before the kernel is installed, so its initrd is generated once, small.
         "--essential-hook=mkdir -p \"$1/etc/initramfs-tools/conf.d\" \"$1/etc/initramfs-tools/hooks\"",
         "--essential-hook=printf 'MODULES=list\\nCOMPRESS=zstd\\n' > \"$1/etc/initramfs-tools/conf.d/cgturn\"",
@@ -233,9 +236,7 @@ def _build_into(work: str, mirror: str, log) -> None:
     _run([
         "mmdebstrap", "--variant=essential", "--mode=root", "--components=main",
         "--include=" + ",".join(CONTAINER_PACKAGES),
-        "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
-        "--dpkgopt=path-exclude=/usr/share/locale/*", "--dpkgopt=path-exclude=/usr/share/info/*",
-        "--aptopt=Acquire::Retries \"3\"",
+        *_LEAN,
         SUITE, container_root, f"deb {mirror} {SUITE} main",
     ], log)
     log.write(f"container rootfs: {time.monotonic() - started:.0f} s\n")
