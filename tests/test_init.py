@@ -173,9 +173,9 @@ def test_init_forwards_sigterm_and_exits_with_the_signal_status(test_cgroup, hos
 
 def test_init_exit_codes_for_a_missing_and_a_signalled_command(test_cgroup, host_pid1):
     out = _run(_container_argv(test_cgroup, host_pid1, ["/nonexistent/cmd"]))
-    assert out.returncode == 127 and "cannot run /nonexistent/cmd" in out.stderr
+    assert out.returncode == 127 and "cannot run /nonexistent/cmd" in out.stderr, (out.returncode, out.stderr)
     killed = _run(_container_argv(test_cgroup, host_pid1, ["sh", "-c", "kill -KILL $$"]))
-    assert killed.returncode == 128 + signal.SIGKILL
+    assert killed.returncode == 128 + signal.SIGKILL, (killed.returncode, killed.stderr)
 
 
 def test_init_refuses_when_not_pid_1(test_cgroup, host_pid1):
