@@ -253,9 +253,23 @@ def _timed(request, what: str, argv: list[str], timeout: float = 600, **kw) -> s
     return res
 
 
+def _mount_points() -> None:
+    """What podman mounts over or links in the rootfs, made as root beforehand: rootless podman may not
+    create them in a root-owned rootfs ("creating /etc/mtab symlink: permission denied"). The guest's
+    disk is a snapshot: nothing outlives the run."""
+    os.makedirs(os.path.join(ROOTFS, "share"), exist_ok=True)
+    mtab = os.path.join(ROOTFS, "etc", "mtab")
+    if not os.path.lexists(mtab):
+        os.symlink("/proc/mounts", mtab)
+    for name in ("hosts", "hostname", "resolv.conf"):
+        path = os.path.join(ROOTFS, "etc", name)
+        if not os.path.lexists(path):
+            open(path, "a").close()
+
+
 def _container(request, what: str, podman_args: list[str], command: list[str], runner=lambda argv: argv,
                rootfs: list[str] | None = None) -> dict:
-    os.makedirs(os.path.join(ROOTFS, "share"), exist_ok=True)  # the mount point (the guest's disk is a snapshot)
+    _mount_points()
     run = RUN if rootfs is None else [a for a in RUN if a != "--read-only"]
     res = _timed(request, what, runner([*run, *podman_args, *(rootfs or ["--rootfs", ROOTFS]), *command]))
     if res.returncode != 0:
