@@ -28,6 +28,7 @@ _EXPORTS = {
     "Limits": "limits", "Usage": "limits",
     "RecoveryAction": "recovery", "RunReport": "run_report",
     "HostInfo": "host", "discover_host": "host", "doctor_report": "host",
+    "init_container": "init_setup",
     "ProcessInfo": "processes",
     "PressureGuard": "guard",
     "Supervisor": "supervisor", "Outcome": "supervisor", "Run": "supervisor",
@@ -78,6 +79,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .events import TurnEnded as TurnEnded, TurnHandle as TurnHandle, TurnListener as TurnListener
     from .guard import PressureGuard as PressureGuard
     from .host import HostInfo as HostInfo, discover_host as discover_host, doctor_report as doctor_report
+    from .init_setup import init_container as init_container
     from .limits import Limits as Limits, Usage as Usage
     from .manager import TurnManager as TurnManager
     from .model import (

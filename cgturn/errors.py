@@ -89,6 +89,12 @@ class GuardUnavailable(CgturnError):
     or another live guard owns the managed root."""
 
 
+class InitRefused(CgturnError):
+    """`cgturn init` found no proof that it runs as a container's init at its own cgroup-namespace
+    root (PID 1, `cgroup.kill` at the root, no process of another PID namespace there, a writable
+    cgroupfs); the message names the failed check. Raised before anything is moved or written."""
+
+
 class LockTimeout(CgturnError):
     """A lock that makes an operation exclusive stayed held by another process for longer than its
     bound, so the operation was not done (a state change, a spawn, a guard's claim): a holder that is

@@ -120,6 +120,7 @@ def doctor_report(root: str | None = None, backend: str | None = None, state_dir
         name, usable = "registry", False
         asked = "--backend cgroup2" if wanted == "cgroup2" else f"managed root {host.managed_root or root!r}"
         problems.append(f"{asked} was asked for but cgroup v2 is not usable there")
+    container_init = _container_init_hint(host, problems)
     # pip hides the optional build's failure. Only a problem where the shim is what is left: glibc
     # 2.39+'s posix_spawn path is as race-free and vfork-fast (the test host has it, and no extension).
     if name == "cgroup2" and not spawn_paths.can_clone3 and not spawn_paths.can_posix_spawn:
@@ -138,7 +139,29 @@ def doctor_report(root: str | None = None, backend: str | None = None, state_dir
         # preferred first (docs/design.md#how-spawn-works); the registry spawns with plain Popen
         "spawn_paths": spawn_paths.available() if name == "cgroup2" else ["shim"],
         "guard": guard,
+        "container_init": container_init,
     }
+
+
+def _container_init_hint(host: HostInfo, problems: list[str]) -> dict[str, Any] | None:
+    """At a container's cgroup-namespace root holding its processes: what `cgturn init` would enable
+    (`{"would_enable": [...]}`, with a problem line saying so), else None. Read-only."""
+    from .kernel import nsroot
+
+    if host.cgroup2_mount is None:
+        return None
+    would = nsroot.would_enable(host.cgroup2_mount, host.own_cgroup)
+    if not would:
+        return None
+    if not host.writable:
+        problems.append(f"this is a container's cgroup-namespace root and its cgroupfs is not writable: a writable "
+                        f"one (docs/containers.md) and `cgturn init -- CMD` as the entrypoint would give limits "
+                        f"({' '.join(would)})")
+    else:
+        problems.append(f"this is a container's cgroup-namespace root holding its processes, so no controller "
+                        f"can be enabled below it: `cgturn init -- CMD` as the entrypoint would enable "
+                        f"{' '.join(would)} (docs/containers.md)")
+    return {"would_enable": would}
 
 
 def _guard_report(backend: Backend, problems: list[str]) -> dict[str, Any] | None:

@@ -19,7 +19,7 @@ PUBLIC = [
     "PressureGuard", "ProcessInfo", "RUNNING", "RecoveryAction", "RegistryUnavailable", "Run", "RunReport",
     "SentinelUnavailable", "Supervisor", "Turn", "TurnEnded", "TurnExists", "TurnHandle", "TurnInfo",
     "TurnListener", "TurnManager", "TurnRecord", "UnsafeOperation", "Usage", "aabandon_disconnected",
-    "abandon_disconnected", "discover_host", "doctor_report",
+    "abandon_disconnected", "discover_host", "doctor_report", "init_container",
 ]
 
 # old name -> the object it stands for now (module, name)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import sys
 
 from .. import __version__
-from . import common, doctor, end, guard, limits, metrics, pause, ps, reap, run, stop, watch
+from . import common, doctor, end, guard, init, limits, metrics, pause, ps, reap, run, stop, watch
 
-COMMANDS = [doctor, run, ps, limits, stop, pause, end, reap, watch, metrics, guard]
+COMMANDS = [doctor, run, ps, limits, stop, pause, end, reap, watch, metrics, guard, init]
 
 
 def build_parser() -> common.Parser:

@@ -35,6 +35,8 @@ def run(args) -> int:
         print(f"spawn paths:    {' '.join(data['spawn_paths'])}")  # preferred first
         guard = data["guard"]
         print(f"pressure guard: {_guard_line(guard)}")
+        if data.get("container_init"):
+            print(f"cgturn init:    would enable {' '.join(data['container_init']['would_enable'])}")
         for problem in data["problems"]:
             print(f"problem:        {problem}")
         print(format_limits(data["limits"]))

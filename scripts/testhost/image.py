@@ -30,6 +30,16 @@ PACKAGES = [
     "python3", "python3-psutil", "python3-prometheus-client", "python3-pytest", "python3-hypothesis",
     "python3-pytest-xdist", "python3-pyroute2", "bubblewrap",
 ]
+# Container runtimes (tests/testhost/test_testhost_containers.py): podman with crun needs no daemon;
+# catatonit is what podman builds its pod infra ("pause") image from, locally, for `kube play`;
+# uidmap (newuidmap) and passt are what rootless podman needs.
+PACKAGES += ["podman", "crun", "catatonit", "uidmap", "passt"]
+# The containers' root filesystem, made at image-build time (no registry is reachable from the guest):
+# a directory the tests run with `podman run --rootfs` (read-only: no image import, which cost 249 s
+# of a run under emulation) and `podman import` as localhost/cgturn-test where an image is needed
+# (`kube play`). What cgturn runs on inside it, as Debian packages, as in the guest.
+CONTAINER_PACKAGES = ["python3", "python3-psutil", "python3-pytest", "python3-pyroute2", "procps"]
+CONTAINER_ROOTFS = "/var/lib/cgturn-test/rootfs"
 IMAGE_SIZE = "3G"
 HERE = os.path.dirname(os.path.abspath(__file__))
 RECIPE_DIR = os.path.join(HERE, "image")
@@ -127,7 +137,7 @@ def debian_mirror(apt_dir: str = "/etc/apt") -> str:
 def recipe_hash() -> str:
     """Hash of everything that decides the image's content (not the mirror: any mirror serves the same)."""
     h = hashlib.sha256()
-    h.update(f"{SUITE}\n{' '.join(PACKAGES)}\n{IMAGE_SIZE}\n".encode())
+    h.update(f"{SUITE}\n{' '.join(PACKAGES)}\n{IMAGE_SIZE}\n{' '.join(CONTAINER_PACKAGES)} {CONTAINER_ROOTFS}\n".encode())
     for name in sorted(os.listdir(RECIPE_DIR)):
         with open(os.path.join(RECIPE_DIR, name), "rb") as f:
             h.update(name.encode() + b"\0" + f.read() + b"\0")
@@ -199,6 +209,12 @@ def _prune(keep: str, unused_days: float = 7.0) -> None:
             shutil.rmtree(entry.path, ignore_errors=True)
 
 
+# Lean: no documentation or translations in a VM (or a container) nobody logs into.
+_LEAN = ["--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
+         "--dpkgopt=path-exclude=/usr/share/locale/*", "--dpkgopt=path-exclude=/usr/share/info/*",
+         "--aptopt=Acquire::Retries \"3\""]
+
+
 def _build_into(work: str, mirror: str, log) -> None:
     rootfs = os.path.join(work, "rootfs")
     hook = os.path.join(RECIPE_DIR, "initramfs-hook")
@@ -206,10 +222,7 @@ def _build_into(work: str, mirror: str, log) -> None:
     _run([
         "mmdebstrap", "--variant=apt", "--mode=root", "--components=main",
         "--include=" + ",".join(PACKAGES),
-        # Lean: no documentation or translations in a VM nobody logs into.
-        "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
-        "--dpkgopt=path-exclude=/usr/share/locale/*", "--dpkgopt=path-exclude=/usr/share/info/*",
-        "--aptopt=Acquire::Retries \"3\"",
+        *_LEAN,
         # Before the kernel is installed, so its initrd is generated once, small.
         "--essential-hook=mkdir -p \"$1/etc/initramfs-tools/conf.d\" \"$1/etc/initramfs-tools/hooks\"",
         "--essential-hook=printf 'MODULES=list\\nCOMPRESS=zstd\\n' > \"$1/etc/initramfs-tools/conf.d/cgturn\"",
@@ -217,6 +230,16 @@ def _build_into(work: str, mirror: str, log) -> None:
         f"--customize-hook=sh {customize} \"$1\"",
         SUITE, rootfs, f"deb {mirror} {SUITE} main",
     ], log)
+    started = time.monotonic()
+    container_root = os.path.join(rootfs, CONTAINER_ROOTFS.lstrip("/"))
+    os.makedirs(os.path.dirname(container_root), exist_ok=True)
+    _run([
+        "mmdebstrap", "--variant=essential", "--mode=root", "--components=main",
+        "--include=" + ",".join(CONTAINER_PACKAGES),
+        *_LEAN,
+        SUITE, container_root, f"deb {mirror} {SUITE} main",
+    ], log)
+    log.write(f"container rootfs: {time.monotonic() - started:.0f} s\n")
     boot = os.path.join(rootfs, "boot")
     kernels = sorted(glob.glob(os.path.join(boot, "vmlinuz-*")))
     initrds = sorted(glob.glob(os.path.join(boot, "initrd.img-*")))

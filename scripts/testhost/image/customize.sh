@@ -35,3 +35,16 @@ chroot "$root" systemd-machine-id-setup >/dev/null 2>&1 || true
 
 # The unprivileged user of the delegation tests (a system service with User= and a user manager).
 chroot "$root" useradd --create-home --uid 1000 --shell /bin/sh cgtest
+
+# Rootless podman as cgtest: subordinate ids for its user namespace (newuidmap from uidmap).
+grep -q '^cgtest:' "$root/etc/subuid" 2>/dev/null || echo 'cgtest:100000:65536' >> "$root/etc/subuid"
+grep -q '^cgtest:' "$root/etc/subgid" 2>/dev/null || echo 'cgtest:100000:65536' >> "$root/etc/subgid"
+# podman builds its pod infra image from catatonit at this path (podman-kube-play(1): no registry
+# is reachable from the guest, so the image is made locally).
+if [ ! -e "$root/usr/libexec/podman/catatonit" ] && [ -x "$root/usr/bin/catatonit" ]; then
+    mkdir -p "$root/usr/libexec/podman"
+    ln -s /usr/bin/catatonit "$root/usr/libexec/podman/catatonit"
+fi
+# Never pull: the guest has no network, and every image the tests use is localhost/.
+mkdir -p "$root/etc/containers/containers.conf.d"
+printf '[engine]\npull_policy = "never"\n' > "$root/etc/containers/containers.conf.d/cgturn-test.conf"
