@@ -28,7 +28,7 @@ PACKAGES = [
     "systemd", "systemd-sysv", "udev", "dbus", "dbus-user-session", "libpam-systemd", "kmod",
     "procps", "iproute2", "util-linux", "passwd", "initramfs-tools", "zstd", "linux-image-amd64",
     "python3", "python3-psutil", "python3-prometheus-client", "python3-pytest", "python3-hypothesis",
-    "python3-pytest-xdist", "python3-pyroute2",
+    "python3-pytest-xdist", "python3-pyroute2", "python3-jeepney",
 ]
 IMAGE_SIZE = "3G"
 HERE = os.path.dirname(os.path.abspath(__file__))
