@@ -224,3 +224,30 @@ def test_a_scope_plan_reports_what_doctor_shows():
     assert plan.managed_root == plan.cgroup + "/cgturn"
     assert plan.to_json() == {"manager": "user", "unit": "cgturn.scope", "cgroup": plan.cgroup, "exists": False,
                               "caller_inside": False, "moves_caller": True, "owners": plan.cgroup + "/owners"}
+
+
+def test_a_process_that_joined_the_scope_finds_its_managed_root_by_its_own_cgroup(cgroup2_root):
+    """A second TurnManager in a process already in cgturn.scope/owners uses the scope's managed root
+    (not `owners/cgturn`, a root of its own below the leaf), with no manager asked."""
+    scope = Cgroup(os.path.join(cgroup2_root, "cgturn.scope"))
+    Cgroup(cgroup2_root).create()
+    scope.create()
+    owners = scope.child("owners")
+    owners.create()
+    code = "import json; from cgturn import doctor_report; print(json.dumps(doctor_report()))"
+    res = subprocess.run(["sh", "-c", f'echo $$ > {owners.path}/cgroup.procs && exec "$0" -c "$1"',
+                          sys.executable, code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=REPO))
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["own_cgroup"] == owners.path
+    assert report["managed_root"] == scope.path + "/cgturn"
+    assert report["backend"] == "cgroup2"
+    assert report["systemd_scope"]["caller_inside"] is True and report["systemd_scope"]["exists"] is True
+
+
+def test_only_the_owners_leaf_of_cgturns_scope_is_taken_for_it():
+    to_mount = lambda path: path  # noqa: E731
+    assert userscope.joined_plan("/a/app.slice/cgturn.scope/owners", to_mount).cgroup == "/a/app.slice/cgturn.scope"
+    assert userscope.joined_plan("/a/app.slice/other.scope/owners", to_mount) is None
+    assert userscope.joined_plan("/a/app.slice/cgturn.scope/cgturn", to_mount) is None

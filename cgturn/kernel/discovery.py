@@ -112,6 +112,9 @@ def discover(root: str | None = None, env: dict[str, str] | None = None) -> Host
     if root is None:
         if info.own_cgroup is None:
             return info
+        joined = userscope.joined_plan(info.own_cgroup, lambda path: own_cgroup_dir(mount, fsroot or "/", f"0::{path}\n"))
+        if joined is not None:  # a process that joined cgturn's scope: its managed root, not one of its own
+            return _in_scope(info, joined, mount)
         root = os.path.join(info.own_cgroup, MANAGED_ROOT_NAME)
     problem = check_root_path(root, mount)
     if problem:

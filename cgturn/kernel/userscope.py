@@ -92,6 +92,16 @@ def plan(to_mount: Callable[[str], str | None], own_cgroup: str | None,
     return ScopePlan(address.kind, address.socket, systemd.SCOPE_UNIT, cgroup, exists, inside, to_mount), ""
 
 
+def joined_plan(own_cgroup: str, to_mount: Callable[[str], str | None]) -> ScopePlan | None:
+    """The plan of the scope whose `owners` leaf the caller is in (it joined before), read from the
+    path alone; None when `own_cgroup` is not such a leaf."""
+    scope = os.path.dirname(own_cgroup)
+    if os.path.basename(own_cgroup) != systemd.OWNERS_LEAF or os.path.basename(scope) != systemd.SCOPE_UNIT:
+        return None
+    kind = "system" if os.geteuid() == 0 else "user"
+    return ScopePlan(kind, "", systemd.SCOPE_UNIT, scope, exists=True, caller_inside=True, to_mount=to_mount)
+
+
 def join(scope: ScopePlan) -> bool:
     """Put the caller into the scope's `owners` leaf, making the scope first when there is none.
 
