@@ -17,7 +17,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: escapers
 
 import escapers  # noqa: E402
-from cgturn import TurnManager, doctor_report  # noqa: E402
+from cgturn import Limits, TurnManager, doctor_report  # noqa: E402
 
 
 def cgroup_of(pid) -> str:
@@ -47,6 +47,13 @@ def main() -> int:
                 subprocess.run(esc.cleanup, capture_output=True, timeout=30)
     out["escapers"] = launched
     out["killed"] = sorted(result.killed)
+    # v2 limits for what the user manager delegates (the scope's subtree_control is cgturn's to write)
+    out["limits"] = mgr.limits_report()
+    if "pids" in out["limits"]["available"]:
+        limited = mgr.begin_turn("chat", "t3", limits=Limits(pids_max=7))
+        with open(f"{mgr.root}/chat/t3/pids.max") as f:
+            out["pids_max"] = f.read().strip()
+        limited.abandon("testhost", grace=0)
     server_turn = mgr.begin_turn("chat", "t2")
     server = server_turn.spawn([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "0"],
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
