@@ -38,6 +38,8 @@ UID = _test_uid()
 SCOPE = f"/user.slice/user-{UID}.slice/user@{UID}.service/app.slice/cgturn.scope"
 SESSION = re.compile(rf"^/user\.slice/user-{UID}\.slice/session-[0-9]+\.scope$")
 # Inside a session: wait (bounded) for the user's bus, which pam_systemd's user manager brings up.
+# The CLI prints indented JSON: one line per document, so that several can share one output.
+COMPACT = """ | python3 -c 'import json, sys; print(json.dumps(json.load(sys.stdin)))'"""
 WAIT_BUS = ('i=0; while [ ! -S "$XDG_RUNTIME_DIR/bus" ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done; ')
 
 
@@ -146,12 +148,16 @@ def test_an_ssh_style_user_gets_cgroup2_turns_in_a_delegated_scope(login_method,
             assert seen["cgroups"] == [SCOPE + "/cgturn/chat/t1"], (name, seen)
             assert seen["left"] == [], (name, seen)
             assert set(seen["pids"]) <= set(out["killed"]), (name, seen)
+        # v2 limits for what the user manager delegates: the scope's subtree_control was cgturn's to write.
+        assert out["limits"]["layout"] == "v2", out["limits"]
+        assert {"memory", "pids"} <= set(out["limits"]["available"]), out["limits"]
+        assert out["pids_max"] == "7"
         # The completed turn's server outlives the gateway that started it.
         assert out["server_cgroup"] == SCOPE + "/cgturn/chat/t2"
         assert pid_alive(out["server"])
 
         # Another session finds the managed root without creating or moving anything.
-        res = in_session(login_method, "python3 -m cgturn ps --json; python3 -m cgturn doctor --json")
+        res = in_session(login_method, f"python3 -m cgturn ps --json{COMPACT}; python3 -m cgturn doctor --json{COMPACT}")
         assert res.returncode == 0, res.stdout + res.stderr
         listing, doctor = _json_lines(res.stdout)[-2:]
         t2 = [t for t in listing if t["turn"] == "t2"]
@@ -198,7 +204,7 @@ def _cgturn(*args: str) -> list[str]:
 def test_a_user_service_without_delegation_uses_its_own_cgroup_and_says_so(lingering):
     name = unit_name()
     unit = f"/user.slice/user-{UID}.slice/user@{UID}.service/app.slice/{name}.service"
-    res = run_in_unit(["/bin/sh", "-c", f"{' '.join(_cgturn('doctor', '--json'))}; "
+    res = run_in_unit(["/bin/sh", "-c", f"{' '.join(_cgturn('doctor', '--json'))}{COMPACT}; "
                        f"{' '.join(_cgturn('run', '--task', 'svc', '--reap-on-exit', '--', 'cat', '/proc/self/cgroup'))}"],
                       name=name, user_manager=TEST_USER)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -206,6 +212,7 @@ def test_a_user_service_without_delegation_uses_its_own_cgroup_and_says_so(linge
     assert report["backend"] == "cgroup2" and report["own_cgroup"] == MOUNT + unit
     assert report["delegated"] is False and report["systemd_scope"] is None
     assert any("systemd did not delegate it" in p for p in report["problems"]), report["problems"]
+    assert report["limits"]["available"] == [], report["limits"]
     assert f"0::{unit}/cgturn/svc/" in res.stdout, res.stdout  # turns below the unit's own cgroup
 
 
@@ -222,7 +229,7 @@ def test_a_cron_style_job_without_linger_falls_back_with_a_reason(no_user_manage
 
 def test_a_cron_style_job_of_a_lingering_user_gets_the_scope(lingering):
     marker = _marker()
-    res = run_in_unit(["/bin/sh", "-c", f"{' '.join(_cgturn('doctor', '--json'))}; "
+    res = run_in_unit(["/bin/sh", "-c", f"{' '.join(_cgturn('doctor', '--json'))}{COMPACT}; "
                        + " ".join(_cgturn("run", "--task", "cron", "--reap-on-exit", "--", "sh", "-c",
                                           f"'cat /proc/self/cgroup; setsid -f env -i sleep {marker}'"))],
                       props=(f"User={TEST_USER}",))
