@@ -137,13 +137,14 @@ class Manager:
         self.timeout = timeout
         try:
             from jeepney import DBusAddress
+            from jeepney.auth import AuthenticationError
             from jeepney.io.blocking import open_dbus_connection
         except ImportError as err:
             raise CgroupUnavailable("the D-Bus client jeepney is not installed (pip install jeepney; "
                                     "Debian: python3-jeepney): cannot ask systemd for a delegated scope") from err
         try:
             self._conn = open_dbus_connection(bus=f"unix:path={address.socket}", auth_timeout=timeout)
-        except (OSError, TimeoutError, ValueError) as err:
+        except (OSError, TimeoutError, ValueError, AuthenticationError) as err:
             raise CgroupUnavailable(f"cannot connect to the systemd {address.kind} manager's bus at "
                                     f"{address.socket}: {err}") from err
         self._manager = DBusAddress(_PATH, bus_name=_BUS_NAME, interface=_MANAGER)
