@@ -251,3 +251,28 @@ def test_only_the_owners_leaf_of_cgturns_scope_is_taken_for_it():
     assert userscope.joined_plan("/a/app.slice/cgturn.scope/owners", to_mount).cgroup == "/a/app.slice/cgturn.scope"
     assert userscope.joined_plan("/a/app.slice/other.scope/owners", to_mount) is None
     assert userscope.joined_plan("/a/app.slice/cgturn.scope/cgturn", to_mount) is None
+
+
+def test_an_asked_for_root_in_a_scope_not_made_yet_is_pending_not_an_error(booted, tmp_path, monkeypatch):
+    """The sentinel of `cgturn run` gets `--root …/cgturn.scope/cgturn` before the first turn makes
+    the scope: that root is cgturn's scope-to-be (with a manager reachable), not a missing parent."""
+    sock = _listening_socket(tmp_path / "bus")  # the caller's own socket: root's is the system bus
+    monkeypatch.setattr(systemd, "SYSTEM_BUS", str(tmp_path / "bus"))
+    try:
+        scope_dir = str(tmp_path / "app.slice" / "cgturn.scope")
+        env = {"XDG_RUNTIME_DIR": str(tmp_path)}
+        to_mount = lambda path: path  # noqa: E731
+        plan = userscope.pending_plan(scope_dir + "/cgturn", None, to_mount, env)
+        assert plan is not None and plan.cgroup == scope_dir and plan.exists is False
+        assert plan.socket == str(tmp_path / "bus")
+        assert userscope.pending_plan(scope_dir + "/turns", None, to_mount, env) is None
+        os.makedirs(scope_dir)  # made: an ordinary explicit root from now on
+        assert userscope.pending_plan(scope_dir + "/cgturn", None, to_mount, env) is None
+    finally:
+        sock.close()
+
+
+def test_a_pending_root_without_a_manager_stays_an_error(booted, tmp_path, monkeypatch):
+    monkeypatch.setattr(systemd, "SYSTEM_BUS", str(tmp_path / "no-system-bus"))
+    scope_dir = str(tmp_path / "app.slice" / "cgturn.scope")
+    assert userscope.pending_plan(scope_dir + "/cgturn", None, lambda path: path, {"XDG_RUNTIME_DIR": str(tmp_path)}) is None

@@ -116,6 +116,11 @@ def discover(root: str | None = None, env: dict[str, str] | None = None) -> Host
         if joined is not None:  # a process that joined cgturn's scope: its managed root, not one of its own
             return _in_scope(info, joined, mount)
         root = os.path.join(info.own_cgroup, MANAGED_ROOT_NAME)
+    if info.root_explicit:
+        pending = userscope.pending_plan(root, info.own_cgroup,
+                                         lambda path: own_cgroup_dir(mount, fsroot or "/", f"0::{path}\n"), env)
+        if pending is not None:  # cgturn's scope, which the first turn makes
+            return _in_scope(info, pending, mount)
     problem = check_root_path(root, mount)
     if problem:
         info.problems.append(problem)

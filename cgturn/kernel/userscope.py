@@ -102,6 +102,21 @@ def joined_plan(own_cgroup: str, to_mount: Callable[[str], str | None]) -> Scope
     return ScopePlan(kind, "", systemd.SCOPE_UNIT, scope, exists=True, caller_inside=True, to_mount=to_mount)
 
 
+def pending_plan(root: str, own_cgroup: str | None, to_mount: Callable[[str], str | None],
+                 env: dict[str, str]) -> ScopePlan | None:
+    """The plan for an explicitly given managed root `<…>/cgturn.scope/cgturn` whose scope is not made
+    yet (the sentinel of a `cgturn run` gets the root before the first turn makes the scope); None
+    for any other root, or when no manager is reachable. Asks the manager nothing."""
+    scope = os.path.dirname(os.path.normpath(root))
+    if os.path.basename(root) != ROOT_NAME or os.path.basename(scope) != systemd.SCOPE_UNIT or os.path.isdir(scope):
+        return None
+    address, _ = systemd.manager_address(os.geteuid(), env)
+    if address is None:
+        return None
+    inside = own_cgroup is not None and _below(own_cgroup, scope)
+    return ScopePlan(address.kind, address.socket, systemd.SCOPE_UNIT, scope, False, inside, to_mount)
+
+
 def join(scope: ScopePlan) -> bool:
     """Put the caller into the scope's `owners` leaf, making the scope first when there is none.
 
