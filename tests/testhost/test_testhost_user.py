@@ -188,15 +188,23 @@ def test_an_ssh_style_user_gets_cgroup2_turns_in_a_delegated_scope(login_method,
 
 def test_logging_out_without_linger_takes_the_scope_and_its_survivors(login_method, no_user_manager):
     # Documented (docs/where.md): without linger the user manager stops after the last session,
-    # and cgturn.scope, with a completed turn's survivors in it, goes with it.
-    marker = _marker()
-    res = in_session(login_method, "cgturn run --task bg -- sh -c "
-                                   f"'setsid -f sleep {marker}; cat /proc/self/cgroup'")
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert f"0::{SCOPE}/cgturn/bg/" in res.stdout, res.stdout
-    survivors = _marked(marker)
-    assert survivors, "the completed turn's daemon did not survive cgturn run"
-    # No session is left: logind stops user@UID.service after UserStopDelaySec (10 s by default).
+    # and cgturn.scope, with a completed turn's survivors in it, goes with it. A second session is
+    # the "last session" here, so that the survivor is seen alive before the logout.
+    holder = subprocess.Popen(_login_argv(login_method, "exec sleep 900"), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_value(lambda: os.path.exists(f"/run/user/{UID}/bus"), 120), "no user bus after login"
+        marker = _marker()
+        res = in_session(login_method, "cgturn run --task bg -- sh -c "
+                                       f"'setsid -f sleep {marker}; cat /proc/self/cgroup'")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"0::{SCOPE}/cgturn/bg/" in res.stdout, res.stdout
+        survivors = _marked(marker)
+        assert survivors, "the completed turn's daemon did not survive cgturn run"
+    finally:
+        holder.terminate()  # the user's last session ends
+        holder.wait(timeout=60)
+    # logind stops user@UID.service after UserStopDelaySec (10 s by default), and the scope with it.
     assert wait_value(lambda: not _marked(marker), 120), "the survivor outlived the user's logout"
     assert wait_value(lambda: not os.path.isdir(MOUNT + SCOPE), 60), "cgturn.scope outlived the user manager"
 
