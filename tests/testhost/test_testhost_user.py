@@ -42,6 +42,9 @@ SESSION = re.compile(rf"^/user\.slice/user-{UID}\.slice/session-[^/]+\.scope$")
 # `cgturn run` without its sentinel: under TCG a Python start alone can outlast the sentinel's 10 s
 # start-up allowance (sentinel.READY_TIMEOUT), and the sentinel is not what these tests are about.
 NO_SENTINEL = "0"
+# A daemon's stdio off the test's pipes: a survivor holding the captured stdout would make the
+# session's subprocess.run wait for it to exit, and a check after that would see it gone either way.
+QUIET = "</dev/null >/dev/null 2>&1"
 # The CLI prints indented JSON: one line per document, so that several can share one output.
 COMPACT = """ | python3 -c 'import json, sys; print(json.dumps(json.load(sys.stdin)))'"""
 WAIT_BUS = ('i=0; while [ ! -S "$XDG_RUNTIME_DIR/bus" ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done; ')
@@ -172,7 +175,7 @@ def test_an_ssh_style_user_gets_cgroup2_turns_in_a_delegated_scope(login_method,
         # `cgturn run` from a session: the command runs in the scope, its env-clearing daemon dies.
         marker = _marker()
         res = in_session(login_method, "cgturn run --task cli --reap-on-exit -- sh -c "
-                                       f"'cat /proc/self/cgroup; setsid -f env -i sleep {marker}'")
+                                       f"'cat /proc/self/cgroup; setsid -f env -i sleep {marker} {QUIET}'")
         assert res.returncode == 0, res.stdout + res.stderr
         assert f"0::{SCOPE}/cgturn/cli/" in res.stdout, res.stdout
         assert wait_value(lambda: not _marked(marker), 30), _marked(marker)
@@ -196,7 +199,7 @@ def test_logging_out_without_linger_takes_the_scope_and_its_survivors(login_meth
         assert wait_value(lambda: os.path.exists(f"/run/user/{UID}/bus"), 120), "no user bus after login"
         marker = _marker()
         res = in_session(login_method, "cgturn run --task bg -- sh -c "
-                                       f"'setsid -f sleep {marker}; cat /proc/self/cgroup'")
+                                       f"'setsid -f sleep {marker} {QUIET}; cat /proc/self/cgroup'")
         assert res.returncode == 0, res.stdout + res.stderr
         assert f"0::{SCOPE}/cgturn/bg/" in res.stdout, res.stdout
         survivors = _marked(marker)
@@ -243,7 +246,7 @@ def test_a_cron_style_job_of_a_lingering_user_gets_the_scope(lingering):
     marker = _marker()
     res = run_in_unit(["/bin/sh", "-c", f"{' '.join(_cgturn('doctor', '--json'))}{COMPACT}; "
                        + " ".join(_cgturn("run", "--task", "cron", "--reap-on-exit", "--", "sh", "-c",
-                                          f"'cat /proc/self/cgroup; setsid -f env -i sleep {marker}'"))],
+                                          f"'cat /proc/self/cgroup; setsid -f env -i sleep {marker} {QUIET}'"))],
                       props=(f"User={TEST_USER}",), env={"CGTURN_SENTINEL": NO_SENTINEL})
     assert res.returncode == 0, res.stdout + res.stderr
     report = _json_lines(res.stdout)[0]
