@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 from .backends.base import Backend
 from .errors import CgroupUnavailable
-from .kernel import discovery
+from .kernel import discovery, userscope
 from .kernel.discovery import HostInfo as HostInfo  # defined by the kernel layer, exported here
 
 log = logging.getLogger("cgturn")
@@ -78,10 +79,33 @@ def choose_backend(host: HostInfo, wanted: str, state_dir: str) -> Backend:
         root, mount = host.managed_root, mount or host.cgroup2_mount
         if root is None or mount is None:  # backend_name said usable: not reached
             raise CgroupUnavailable(f"cgroup v2 is not usable: {'; '.join(host.problems) or 'no managed root'}")
-        return Cgroup2Backend(root, mount, state_dir, fsroot or "/", cgroup_kill=host.cgroup_kill)
+        before_root = ScopeJoin(host.systemd_scope) if host.systemd_scope is not None else None
+        return Cgroup2Backend(root, mount, state_dir, fsroot or "/", cgroup_kill=host.cgroup_kill,
+                              before_root=before_root)
     from .backends.registry import RegistryBackend
 
     return RegistryBackend(state_dir)
+
+
+class ScopeJoin:
+    """What a backend in cgturn's systemd scope calls before it creates anything: the caller joins
+    the scope (kernel/userscope.py), once per process; logged once, shown by `doctor`."""
+
+    def __init__(self, scope: "userscope.ScopePlan"):
+        self.scope = scope
+        self._pid: int | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        if self._pid == os.getpid():  # joined (a forked child is in the scope too, but checks again)
+            return
+        with self._lock:
+            if self._pid != os.getpid():
+                if userscope.join(self.scope):
+                    log.info("cgturn moved this process (%d) into %s (systemd %s manager, Delegate=yes): "
+                                "its cgroup was not writable; turns live in %s", os.getpid(), self.scope.owners,
+                                self.scope.manager, self.scope.managed_root)
+                self._pid = os.getpid()
 
 
 def doctor_report(root: str | None = None, backend: str | None = None, state_dir: str | None = None) -> dict[str, Any]:
@@ -103,6 +127,12 @@ def doctor_report(root: str | None = None, backend: str | None = None, state_dir
     host = discover_host(root)
     wanted = wanted_backend(backend)
     problems = list(host.problems)
+    if host.delegated is False and host.writable:
+        # A unit's cgroup systemd did not delegate (CGROUP_DELEGATION.md: not the user's to arrange).
+        # cgturn only makes child cgroups there, never writes the unit's subtree_control; systemd
+        # kills them with the unit.
+        problems.append(f"{os.path.dirname(host.managed_root or '')} is writable but systemd did not delegate it "
+                        "(no user.delegate/trusted.delegate mark): turns work there, limits need Delegate=yes")
     limits = {"layout": None, "available": [], "problems": ["cgroup v2 is not usable: no limits"]}
     guard = None
     try:
@@ -110,7 +140,10 @@ def doctor_report(root: str | None = None, backend: str | None = None, state_dir
         usable = True
         where = state_dir or os.environ.get("CGTURN_STATE_DIR") or "/nonexistent"
         guard = _guard_report(choose_backend(host, wanted, where), problems)  # creates nothing
-        if name == "cgroup2":
+        if name == "cgroup2" and host.systemd_scope is not None and not host.systemd_scope.exists:
+            limits["problems"] = [f"decided when the first turn makes {host.systemd_scope.unit}: the controllers "
+                                  f"its slice hands down are {' '.join(host.controllers) or 'none'}"]
+        elif name == "cgroup2":
             limiter = choose_backend(host, wanted, "/nonexistent").limiter  # creates nothing
             if limiter is not None:
                 limits = limiter.report()
@@ -135,6 +168,8 @@ def doctor_report(root: str | None = None, backend: str | None = None, state_dir
         "writable": host.writable,
         "problems": problems,
         "usable": usable,
+        "delegated": host.delegated,
+        "systemd_scope": host.systemd_scope.to_json() if host.systemd_scope is not None else None,
         "limits": limits,
         # preferred first (docs/design.md#how-spawn-works); the registry spawns with plain Popen
         "spawn_paths": spawn_paths.available() if name == "cgroup2" else ["shim"],

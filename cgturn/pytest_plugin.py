@@ -93,7 +93,9 @@ def plan_roots() -> tuple[str | None, str | None]:
     except (ValueError, CgroupUnavailable) as err:
         raise pytest.UsageError(f"cgturn plugin: cannot use cgroup v2 as configured: {err}") from None
     parent = explicit or host.own_cgroup
-    if not host.usable or parent is None:
+    # The plugin moves pytest between its own cgroup and the tests' turns, so it needs that cgroup
+    # writable; cgturn's systemd scope (docs/where.md) is for a caller that moves into it for good.
+    if not host.usable or parent is None or (explicit is None and host.systemd_scope is not None):
         return None, None
     return parent, os.path.join(parent, run_name())
 

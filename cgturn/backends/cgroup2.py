@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from ..errors import AccessDenied, CgturnError, NoSuchTurn, TurnExists
 from ..kernel import dirlock, procfs
@@ -63,8 +63,10 @@ class Cgroup2Backend(Backend):
     name = "cgroup2"
 
     def __init__(self, root: str, mount: str, state_dir: str, fsroot: str = "/", use_xattrs: bool = True,
-                 cgroup_kill: bool | None = None):
+                 cgroup_kill: bool | None = None, before_root: Callable[[], None] | None = None):
         self.root = Cgroup(os.path.normpath(root))
+        # called before anything is created: the caller joins cgturn's systemd scope (host.ScopeJoin)
+        self._before_root = before_root
         self.mount = mount
         self.placement = Placement(self.root, mount, fsroot)
         self.state_dir = state_dir
@@ -120,6 +122,8 @@ class Cgroup2Backend(Backend):
         return self._layout
 
     def ensure_root(self) -> bool:
+        if self._before_root is not None:
+            self._before_root()
         created = self.root.create()
         if created or not self._layout_recorded:
             if not created and not self.root.make_private():
@@ -141,6 +145,8 @@ class Cgroup2Backend(Backend):
 
     def create_turn(self, record: TurnRecord, limits: Limits | None = None) -> None:
         limits = limits or NO_LIMITS
+        if self._before_root is not None:
+            self._before_root()  # the layout below depends on where the managed root's parent is
         self.layout.check(limits)  # LimitsUnavailable before anything is made
         netns = self.isolation.prepare(record)  # IsolationUnavailable, before anything is made
         try:

@@ -29,6 +29,9 @@ def run(args) -> int:
         print(f"own cgroup:     {data['own_cgroup'] or '-'}")
         print(f"managed root:   {data['managed_root'] or '-'}")
         print(f"writable:       {'yes' if data['writable'] else 'no'}")
+        print(f"delegated:      {_delegation_line(data)}")
+        if data["systemd_scope"] is not None:
+            print(f"systemd scope:  {_scope_line(data['systemd_scope'])}")
         kill = {True: "yes", False: "no (freeze + kill fallback)", None: "unknown until the first kill"}
         print(f"cgroup.kill:    {kill[data['cgroup_kill']]}")
         print(f"controllers:    {' '.join(data['controllers']) or '-'}")
@@ -55,6 +58,23 @@ def format_limits(section: dict) -> str:
         lines = [f"limits:         {available} (layout {layout}: {layouts.get(layout, layout)})"]
     lines += [f"limits problem: {problem}" for problem in section["problems"]]
     return "\n".join(lines)
+
+
+def _delegation_line(data: dict) -> str:
+    """Whether systemd delegated the cgroup the managed root is in (its user.delegate/trusted.delegate mark)."""
+    if data["systemd_scope"] is not None:
+        return f"yes ({data['systemd_scope']['unit']}, Delegate=yes)"
+    return {True: "yes (systemd Delegate=yes)", None: "- (no systemd unit above the managed root)",
+            False: "no: a systemd unit's own cgroup (turns still work there; limits need Delegate=yes)"}[
+        data["delegated"]]
+
+
+def _scope_line(scope: dict) -> str:
+    """Where cgturn's transient scope is, and whether the caller moves into it."""
+    state = "exists" if scope["exists"] else "made by the first turn"
+    move = ("this process is in it" if scope["caller_inside"]
+            else f"a process that begins a turn moves into {scope['owners']}")
+    return f"{scope['unit']} of the systemd {scope['manager']} manager at {scope['cgroup']} ({state}; {move})"
 
 
 def _guard_line(guard: dict | None) -> str:

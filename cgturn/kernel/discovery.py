@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import CgturnError
-from . import parsers, procfs
+from . import parsers, procfs, systemd, userscope
 from .cgroupfs import CONTROLLERS_FILE, KILL_FILE, PROCS_FILE, Cgroup, child_entries, is_cgroup2
 
 # Where distributions mount cgroup2: unified hierarchy at /sys/fs/cgroup, hybrid at .../unified.
@@ -32,6 +32,10 @@ class HostInfo:
     root_explicit: bool = False            # the root was asked for (argument or CGTURN_ROOT)
     controllers: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    # systemd's mark on the unit whose cgroup holds the managed root (True: Delegate=yes; False:
+    # a unit's cgroup without the mark; None: no systemd unit above it, or systemd is not the init)
+    delegated: bool | None = None
+    systemd_scope: userscope.ScopePlan | None = None   # the managed root is in cgturn's scope
 
     @property
     def usable(self) -> bool:
@@ -108,7 +112,15 @@ def discover(root: str | None = None, env: dict[str, str] | None = None) -> Host
     if root is None:
         if info.own_cgroup is None:
             return info
+        joined = userscope.joined_plan(info.own_cgroup, lambda path: own_cgroup_dir(mount, fsroot or "/", f"0::{path}\n"))
+        if joined is not None:  # a process that joined cgturn's scope: its managed root, not one of its own
+            return _in_scope(info, joined, mount)
         root = os.path.join(info.own_cgroup, MANAGED_ROOT_NAME)
+    if info.root_explicit:
+        pending = userscope.pending_plan(root, info.own_cgroup,
+                                         lambda path: own_cgroup_dir(mount, fsroot or "/", f"0::{path}\n"), env)
+        if pending is not None:  # cgturn's scope, which the first turn makes
+            return _in_scope(info, pending, mount)
     problem = check_root_path(root, mount)
     if problem:
         info.problems.append(problem)
@@ -119,8 +131,17 @@ def discover(root: str | None = None, env: dict[str, str] | None = None) -> Host
     target = root if info.root_exists else parent
     info.writable = os.access(target, os.W_OK | os.X_OK)
     if not info.writable:
-        reason = "read-only filesystem" if _read_only(target) else "no write permission"
-        info.problems.append(f"{target} is not writable ({reason}): run as root or in a delegated subtree")
+        read_only = _read_only(target)
+        problem = (f"{target} is not writable ({'read-only filesystem' if read_only else 'no write permission'}): "
+                   "run as root or in a delegated subtree")
+        if not info.root_explicit and info.own_cgroup is not None and not read_only:
+            scope, why = userscope.plan(lambda path: own_cgroup_dir(mount, fsroot or "/", f"0::{path}\n"),
+                                        info.own_cgroup, env)
+            if scope is not None:
+                return _in_scope(info, scope, mount)
+            problem += f"; no delegated systemd scope either: {why}"
+        info.problems.append(problem)
+    info.delegated = unit_delegation(parent, mount)
     try:
         info.controllers = parsers.parse_controllers(Cgroup(target).read(CONTROLLERS_FILE))
     except Exception:  # noqa: BLE001 - informational only
@@ -129,6 +150,47 @@ def discover(root: str | None = None, env: dict[str, str] | None = None) -> Host
     if info.cgroup_kill is False:
         info.problems.append("cgroup.kill not found (Linux < 5.14?): abandon uses freeze + kill")
     return info
+
+
+def _in_scope(info: HostInfo, scope: userscope.ScopePlan, mount: str) -> HostInfo:
+    """`info` for a managed root in cgturn's delegated scope (userscope.py), made or yet to be made.
+
+    Before the scope exists, its controllers are those its slice hands down (the slice's
+    subtree_control); the first turn makes it (userscope.join) and may write it from then on."""
+    info.systemd_scope = scope
+    info.managed_root = root = scope.managed_root
+    info.root_exists = os.path.isfile(os.path.join(root, PROCS_FILE))
+    info.delegated = True
+    if scope.exists:
+        target = root if info.root_exists else scope.cgroup
+        info.writable = os.access(target, os.W_OK | os.X_OK)
+        if not info.writable:
+            info.problems.append(f"{target} in {scope.unit} is not writable: it is not this user's")
+        source = os.path.join(scope.cgroup, CONTROLLERS_FILE)
+    else:
+        info.writable = True  # delegated to the caller the moment it is made
+        source = os.path.join(os.path.dirname(scope.cgroup), "cgroup.subtree_control")
+    try:
+        with open(source) as f:
+            info.controllers = parsers.parse_controllers(f.read())
+    except OSError:
+        info.controllers = []
+    info.cgroup_kill = cgroup_kill_support(root, mount)
+    return info
+
+
+def unit_delegation(path: str, mount: str) -> bool | None:
+    """systemd's delegation mark on the nearest systemd unit's cgroup at or above `path` (a
+    `.service` or `.scope` directory); None when systemd is not the init or no unit is above it."""
+    if not systemd.systemd_booted():
+        return None
+    mount = os.path.normpath(mount)
+    path = os.path.normpath(path)
+    while path.startswith(mount + "/"):
+        if path.endswith((".service", ".scope")):
+            return bool(systemd.delegation_mark(path))
+        path = os.path.dirname(path)
+    return None
 
 
 def check_root_path(root: str, mount: str) -> str | None:

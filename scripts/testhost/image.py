@@ -28,7 +28,7 @@ PACKAGES = [
     "systemd", "systemd-sysv", "udev", "dbus", "dbus-user-session", "libpam-systemd", "kmod",
     "procps", "iproute2", "util-linux", "passwd", "initramfs-tools", "zstd", "linux-image-amd64",
     "python3", "python3-psutil", "python3-prometheus-client", "python3-pytest", "python3-hypothesis",
-    "python3-pytest-xdist", "python3-pyroute2", "bubblewrap",
+    "python3-pytest-xdist", "python3-pyroute2", "bubblewrap", "python3-jeepney",
 ]
 # Container runtimes (tests/testhost/test_testhost_containers.py): podman with crun needs no daemon;
 # catatonit is what podman builds its pod infra ("pause") image from, locally, for `kube play`;
