@@ -227,17 +227,7 @@ DOCS = os.path.join(os.path.dirname(os.path.dirname(HERE)), "docs", "containers.
 # delegated one 134 s; `podman import` 249 s). The stage runs the privileged container, the case
 # privileged CI jobs are; the others run where the guest has KVM, or when the checkout carries this
 # flag file (`touch .testhost-containers-all` before scripts/testhost/run.py).
-ALL_FLAG = "/share/.testhost-containers-all"
-
-
-def _everything() -> bool:
-    virt = subprocess.run(["systemd-detect-virt"], capture_output=True, text=True).stdout.strip()
-    return virt == "kvm" or os.path.exists(ALL_FLAG)
-
-
-slow = pytest.mark.skipif("not _everything()", reason="under software emulation (TCG) each further container "
-                          "costs minutes the stage's budget does not have: runs under KVM or with "
-                          f"{ALL_FLAG} (docs/containers.md)")
+from hostlib import ALL_FLAG, everything, slow  # noqa: E402,F401 (slow's condition reads everything)
 
 
 def _say(request, text: str) -> None:

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from hostlib import (MOUNT, SHARE, TEST_USER, last_json, pid_alive, run_in_unit, systemctl,  # noqa: F401
+from hostlib import (MOUNT, SHARE, TEST_USER, everything, last_json, pid_alive, run_in_unit, slow, systemctl,  # noqa: F401
                      systemd_host, unit_name, wait_value)
 
 pytestmark = [pytest.mark.testhost, pytest.mark.usefixtures("systemd_host")]
@@ -189,6 +189,7 @@ def test_an_ssh_style_user_gets_cgroup2_turns_in_a_delegated_scope(login_method,
         holder.wait(timeout=60)
 
 
+@slow
 def test_logging_out_without_linger_takes_the_scope_and_its_survivors(login_method, no_user_manager):
     # Documented (docs/where.md): without linger the user manager stops after the last session,
     # and cgturn.scope, with a completed turn's survivors in it, goes with it. A second session is
@@ -216,6 +217,7 @@ def _cgturn(*args: str) -> list[str]:
     return [sys.executable, "-m", "cgturn", *args]
 
 
+@slow
 def test_a_user_service_without_delegation_uses_its_own_cgroup_and_says_so(lingering):
     name = unit_name()
     unit = f"/user.slice/user-{UID}.slice/user@{UID}.service/app.slice/{name}.service"
@@ -231,6 +233,7 @@ def test_a_user_service_without_delegation_uses_its_own_cgroup_and_says_so(linge
     assert f"0::{unit}/cgturn/svc/" in res.stdout, res.stdout  # turns below the unit's own cgroup
 
 
+@slow
 def test_a_cron_style_job_without_linger_falls_back_with_a_reason(no_user_manager):
     # A system service with User= and no PAM session, as Debian's cron runs a job (its PAM stack
     # has no pam_systemd): a root-owned cgroup, no XDG_RUNTIME_DIR, and no user manager.
@@ -242,6 +245,7 @@ def test_a_cron_style_job_without_linger_falls_back_with_a_reason(no_user_manage
         report["problems"]
 
 
+@slow
 def test_a_cron_style_job_of_a_lingering_user_gets_the_scope(lingering):
     marker = _marker()
     res = run_in_unit(["/bin/sh", "-c", f"{' '.join(_cgturn('doctor', '--json'))}{COMPACT}; "
