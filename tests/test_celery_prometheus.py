@@ -110,8 +110,12 @@ def test_prometheus_sees_the_fleet_as_the_audit_logs_do(tmp_path):
         reports.append(spawned(out, running.id))
         for what in reports[:-1]:
             assert all_gone(what), survivors(what)
+        want = {"celery-revoked": 1, "error": 1, "oom": 1, "celery-time-limit": 1}
+        # A killer appends its audit line just after its kill, and Celery may hand the result back
+        # before the worker's abandon: the processes can be seen gone before the line is there.
+        wait_until(lambda: kills_by_reason(*(w.state_dir for w in workers)) == want, timeout=30)
         expected = kills_by_reason(*(w.state_dir for w in workers))
-        assert expected == {"celery-revoked": 1, "error": 1, "oom": 1, "celery-time-limit": 1}
+        assert expected == want
 
         # Fleet-wide figures, once Prometheus has scraped the state above (bounded wait, then compared).
         def settled():
