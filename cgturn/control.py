@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -32,15 +31,9 @@ if TYPE_CHECKING:
 
 # What keeps an abandon from marking its turn, and must not keep it from killing: the turn's lock held
 # past its bound, or a record store that cannot be written (ENOSPC, EROFS on the state directory's
-# metadata files; the registry database's errors on a full or read-only disk).
-_MARK_ERRORS: tuple[type[Exception], ...] = (LockTimeout, OSError, RegistryUnavailable)
-
-
-def _unmarkable() -> tuple[type[Exception], ...]:
-    """_MARK_ERRORS, and sqlite3.Error where sqlite3 is loaded: only the registry's database raises it,
-    and the registry backend imports it (a cgroup2 manager, `cgturn run`, need not pay its import)."""
-    sqlite3 = sys.modules.get("sqlite3")
-    return _MARK_ERRORS + ((sqlite3.Error,) if sqlite3 is not None else ())
+# metadata files; the registry database on a full or read-only disk, whose every sqlite3.Error its
+# RegistryDatabase raises as RegistryUnavailable).
+_UNMARKABLE = (LockTimeout, OSError, RegistryUnavailable)
 
 
 log = logging.getLogger("cgturn")
@@ -153,7 +146,7 @@ class TurnControl:
         if given, must also hold under the turn's lock (the guard: "still frozen by me"; a lease: "still
         run out"). When the mark cannot be made — the lock stays held past its bound (LockTimeout), or
         the record store cannot be written (a full or read-only state directory: OSError, or the
-        registry database's sqlite3.Error) — the turn is killed all the same and the result's
+        registry database's RegistryUnavailable) — the turn is killed all the same and the result's
         `unrecorded` says what its record lacks (_abandon_unmarked).
 
         Raises:
@@ -173,7 +166,7 @@ class TurnControl:
                    "killer_start": procfs.own_start_time()}
         try:
             won, rec = self.backend.transition(task_key, turn_key, allowed, ABANDONED, updates, when=when)
-        except _unmarkable() as busy:
+        except _UNMARKABLE as busy:
             return self._abandon_unmarked(task_key, turn_key, reason, grace, allowed, updates, when, busy)
         if not won or rec is None:
             return AbandonResult(skipped=True, reason=(rec.reason if rec else None) or reason)
@@ -207,7 +200,7 @@ class TurnControl:
         if self.backend.load(task_key, turn_key) is not None:  # it outlived the kill: its record must say so
             try:
                 self.backend.transition(task_key, turn_key, allowed, ABANDONED, updates, when=when)
-            except _unmarkable() as still:
+            except _UNMARKABLE as still:
                 result.unrecorded += f"; it is still there and still not marked ({still})"
         self._ended(rec, result)
         return result
