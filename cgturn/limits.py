@@ -12,8 +12,10 @@ that passes here is never refused, cut or wrapped by a controller file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -40,6 +42,9 @@ MAX_CPUS = float((2 ** 44 - 1) // CPU_PERIOD_US)
 # microseconds). 10**9 s is 31 years of one core: anything above is a typo, and float seconds still
 # carry whole microseconds there (below 2**53 us).
 MAX_CPU_TIME = 1e9
+# The kernel keeps memory limits in whole pages, rounding a size down (page_counter_memparse,
+# mm/page_counter.c): below one page a cgroup may hold no page at all, so nothing can start in it.
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
 def parse_size(text: str) -> int | str:
@@ -203,6 +208,39 @@ def stored_limits(text: str | None) -> Limits:
         return Limits.from_json(json.loads(text))
     except (ValueError, TypeError, AttributeError):
         return NO_LIMITS
+
+
+def under_one_page(limits: Limits) -> int | None:
+    """The `memory_max` of `limits` when it is less than one page (PAGE_SIZE), else None."""
+    value = limits.memory_max
+    return value if isinstance(value, int) and value < PAGE_SIZE else None
+
+
+@functools.lru_cache(maxsize=256)
+def stored_under_one_page(text: str | None) -> int | None:
+    """under_one_page of limits stored as JSON text (a turn record's `limits`); remembered per text,
+    since every spawn asks it of the record it holds."""
+    return under_one_page(stored_limits(text)) if text else None
+
+
+def refuse_budget_under_one_page(limits: Limits, level: str) -> None:
+    """Refuse a task's or the managed root's memory budget under one page.
+
+    The kernel would make no turn's cgroup below it (a new cgroup's own structures are charged to
+    its parent: ENOMEM at mkdir), and the turns already there could start nothing. Refused where it
+    is set, so a spawn can trust its turn's own record alone and read no limit file.
+
+    Args:
+        limits: the budget asked for.
+        level: what it is for, as the message names it ("task 'x'", "the managed root").
+
+    Raises:
+        ValueError: `limits.memory_max` is less than PAGE_SIZE.
+    """
+    size = under_one_page(limits)
+    if size is not None:
+        raise ValueError(f"memory_max of {level} is {size} bytes, less than one page ({PAGE_SIZE}): no turn "
+                         "could be made or start anything below it")
 
 
 def _check(name: str, value: object, minimum: int, maximum: int) -> None:

@@ -241,40 +241,82 @@ def test_each_spawn_path_gives_a_documented_outcome_in_a_tiny_memory_limit(cgrou
         turn.abandon("test", grace=0)
 
 
-@pytest.mark.parametrize("level", ["turn", "task", "root"])
 @pytest.mark.parametrize("path", testing.SPAWN_PATHS)
-def test_a_memory_limit_under_one_page_at_any_level_is_a_clear_spawn_error(cgroup2_manager, path, level):
+def test_a_memory_limit_under_one_page_is_a_clear_spawn_error(cgroup2_manager, path):
     """Below one page the kernel leaves a spawn no memory at all: the native child cannot even write
-    its failed exec to its pipe (the pipe's buffer is charged to its memory cgroup), and the shim is
-    OOM-killed before it can speak. Turn.spawn raises ENOMEM on every path — never a process that
-    seems to have started and exits 255 — or, where the kernel cannot even make the turn's cgroup
-    below such a budget (v1 and v2 alike: a cgroup's own structures are charged to its parent),
-    begin_turn says so."""
+    its failed exec to its pipe (the pipe's buffer is charged to its memory cgroup), glibc's vfork
+    child may hang its caller, and the shim is OOM-killed before it can speak. Turn.spawn raises
+    ENOMEM on every path, from the turn's record alone — never a process that seems to have started
+    and exits 255."""
     why = testing.spawn_path_unavailable(path)
     if why:
         pytest.skip(why)
-    tiny = Limits(memory_max=100)
-    if level == "root":
-        cgroup2_manager.set_limits(tiny)
-    elif level == "task":
-        cgroup2_manager.set_task_limits("tiny", tiny)
-    try:
-        turn = cgroup2_manager.begin_turn("tiny", limits=tiny if level == "turn" else None)
-    except KernelError as err:  # a new cgroup's own structures are charged to its parent: ENOMEM at mkdir
-        assert level != "turn" and err.errno == errno.ENOMEM, err
-        return
+    turn = cgroup2_manager.begin_turn("tiny", limits=Limits(memory_max=100))
     try:
         with testing.forced_spawn_path(path):
-            try:
+            with pytest.raises(OSError) as err:
                 proc = turn.spawn(["echo", "ran"], stdout=subprocess.PIPE)
-            except OSError as err:
-                assert err.errno == errno.ENOMEM, err
-            else:
                 out, _ = proc.communicate(timeout=30)
                 pytest.fail(f"spawn looked clean: the process exited {proc.returncode} with {out!r}")
+        assert err.value.errno == errno.ENOMEM and "less than one page" in str(err.value), err.value
         assert turn.pids() == []
     finally:
         turn.abandon("test", grace=0)
+
+
+@pytest.mark.parametrize("path", testing.SPAWN_PATHS)
+def test_a_limit_lowered_under_one_page_behind_the_callers_record_is_still_refused(cgroup2_manager, path):
+    """Another process (here another manager, as `cgturn limits T U --memory 100` would be) lowers the
+    turn's limit after this Turn read its record: the spawn's own look at the record (under the turn's
+    lock on the native paths, after the move on the shim's) refuses it, and nothing ran."""
+    why = testing.spawn_path_unavailable(path)
+    if why:
+        pytest.skip(why)
+    turn = cgroup2_manager.begin_turn("lowered")
+    try:
+        with testing.forced_spawn_path(path):
+            # A clone3 spawn remembers the record it cleared. (No limit before it: on a hybrid host v1
+            # refuses a limit under what a cgroup holds, EBUSY, and the v1 directories made for the
+            # new limit hold nothing yet.)
+            turn.spawn(["true"]).wait(timeout=30)
+            with TurnManager(root=cgroup2_manager.root, state_dir=cgroup2_manager.state_dir) as other:
+                other.turn("lowered", turn.turn_id).set_limits(Limits(memory_max=100))
+            with pytest.raises(OSError) as err:
+                proc = turn.spawn(["echo", "ran"], stdout=subprocess.PIPE)
+                out, _ = proc.communicate(timeout=30)
+                pytest.fail(f"spawn looked clean: the process exited {proc.returncode} with {out!r}")
+        assert err.value.errno == errno.ENOMEM and "less than one page" in str(err.value), err.value
+        assert turn.pids() == []
+    finally:
+        turn.abandon("test", grace=0)
+
+
+@pytest.mark.parametrize("level", ["task", "root"])
+@pytest.mark.parametrize("size", [0, 100, os.sysconf("SC_PAGE_SIZE") - 1])
+def test_a_budget_under_one_page_is_refused_where_it_is_set_and_nothing_changes(cgroup2_manager, cgroup2_root,
+                                                                                  level, size):
+    """A task's or the root's memory budget under one page would let the kernel make no turn below it
+    (a cgroup's own structures are charged to its parent: ENOMEM at mkdir) and start nothing in the
+    turns already there: refused by the call that sets it, before anything is made or written."""
+    set_budget = (lambda limits: cgroup2_manager.set_task_limits("tiny", limits)) if level == "task" \
+        else cgroup2_manager.set_limits
+    existing = cgroup2_manager.begin_turn("other")
+    try:
+        before = hierarchies(cgroup2_root)
+        with pytest.raises(ValueError, match="less than one page"):
+            set_budget(Limits(memory_max=size))
+        assert hierarchies(cgroup2_root) == before
+        assert cgroup2_manager.task_limits("other").memory_max is None and cgroup2_manager.limits().memory_max is None
+        set_budget(Limits(memory_max=os.sysconf("SC_PAGE_SIZE") * 64 * 1024))  # a page and up is taken
+    finally:
+        existing.abandon("test", grace=0)
+
+
+def test_cli_limits_refuses_a_budget_under_one_page_with_exit_2(cgroup2_root, state_dir, capsys):
+    code = main(["--root", cgroup2_root, "--state-dir", state_dir, "limits", "t", "--memory", "100"])
+    captured = capsys.readouterr()
+    assert code == 2 and one_line(captured.err) and "less than one page" in captured.err, captured.err
+    assert hierarchies(cgroup2_root) == [] and os.listdir(state_dir) == []
 
 
 def test_the_clone3_child_reports_its_errno_when_its_pipe_cannot_take_it(cgroup2_manager, monkeypatch):
@@ -286,7 +328,7 @@ def test_the_clone3_child_reports_its_errno_when_its_pipe_cannot_take_it(cgroup2
         pytest.skip(why)
     from cgturn.backends import shim
 
-    monkeypatch.setattr(shim, "refuse_under_one_page", lambda *args: None, raising=False)
+    monkeypatch.setattr(shim, "refuse_under_one_page", lambda *args: None)
     turn = cgroup2_manager.begin_turn("tiny", limits=Limits(memory_max=100))
     try:
         with testing.forced_spawn_path("clone3"), pytest.raises(OSError) as err:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 from ..errors import CgturnError, KernelError, LimitsUnavailable, LockTimeout, NoSuchTurn
 from ..logfields import turn_fields
 from ..kernel.cgroupfs import Cgroup, child_entries
-from ..limits import Limits, Usage, stored_limits
+from ..limits import Limits, Usage, refuse_budget_under_one_page, stored_limits
 from ..model import CORRUPT, TurnRecord
 from . import cgroup2_views
 from .cgroup2_limits import Layout
@@ -115,7 +115,9 @@ class CgroupLimiter:
 
     def set_task_limits(self, task_key: str, limits: Limits) -> None:
         """Change the budget of a task: all its turns together (None fields unchanged); makes the
-        task directory if needed. Raises LimitsUnavailable when a limit cannot be enforced here."""
+        task directory if needed. Raises LimitsUnavailable when a limit cannot be enforced here,
+        ValueError for a memory budget under one page (nothing made)."""
+        refuse_budget_under_one_page(limits, f"task {task_key!r}")
         layout = self._layout()
         self._ensure_root()
         task = self._root.child(task_key)
@@ -145,7 +147,9 @@ class CgroupLimiter:
 
     def set_root_limits(self, limits: Limits) -> None:
         """Change the budget of the managed root: all turns together (None fields unchanged).
-        Raises LimitsUnavailable when a limit cannot be enforced here."""
+        Raises LimitsUnavailable when a limit cannot be enforced here, ValueError for a memory budget
+        under one page."""
+        refuse_budget_under_one_page(limits, "the managed root")
         layout = self._layout()
         self._ensure_root()
         merged = layout.stored_limits(self._root).merged(limits)

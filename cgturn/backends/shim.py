@@ -20,6 +20,7 @@ from typing import Callable
 
 from ..errors import NoSuchTurn
 from ..kernel.cgroupfs import Cgroup
+from ..limits import PAGE_SIZE, stored_under_one_page
 from ..model import RUNNING, TurnRecord
 from . import isolation, seal
 from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, prepare_spawn
@@ -103,6 +104,8 @@ def spawn(record: TurnRecord, target: SpawnTarget, meta: MetadataStore, hooks: S
         # the mark here, or its kill comes after our move and takes the shim with it.
         current = meta.load(cg)
         joined = current is not None and current.state == RUNNING
+        if joined:  # its limit may have been lowered since `record` was read: the target must not start
+            refuse_under_one_page(current, program)
         if current is not None and joined and current.v1_dirs:  # the turn's v1 limits hold before the target runs too
             hooks.join_v1(proc.pid)
     except FileNotFoundError:
@@ -117,33 +120,21 @@ def spawn(record: TurnRecord, target: SpawnTarget, meta: MetadataStore, hooks: S
     return proc
 
 
-# A memory limit under one page: the kernel rounds it down to 0 pages. The shim is OOM-killed at its
-# first page fault after joining, before it can say why; glibc's posix_spawn child (CLONE_VFORK) was
-# seen to hang there on Linux 6.12 with cgroup v2, its caller with it (the OOM killer skips a task in
-# vfork: oom_badness, mm/oom_kill.c). Said before anything starts, for every path: levels turn, task,
-# managed root; v2 `memory.max` in the turn's directory and its two parents, v1 `memory.limit_in_bytes`
-# in its v1 directories' (only the memory one has it).
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def refuse_under_one_page(record: TurnRecord, target: SpawnTarget, program: str) -> None:
-    """Raise OSError(ENOMEM) when a memory limit of the turn, its task or the managed root, in cgroup
-    v2 or a v1 hierarchy, is less than one page: nothing can run there."""
-    places = [(target.cgroup_dir, "memory.max")]
-    places += [(os.path.dirname(procs), "memory.limit_in_bytes") for procs in target.v1_procs if "/memory" in procs]
-    for turn_dir, name in places:
-        level = turn_dir
-        for _ in range(3):
-            try:
-                with open(os.path.join(level, name), "rb") as f:
-                    text = f.read().strip()
-            except OSError:  # no memory controller at this level (one above may still have one)
-                level = os.path.dirname(level)
-                continue
-            if text.isdigit() and int(text) < _PAGE:
-                raise OSError(errno.ENOMEM, f"cannot start {program!r} in turn {record.turn_id!r}: the memory "
-                                            f"limit of {level} is {text.decode()} bytes, less than one page ({_PAGE})")
-            level = os.path.dirname(level)
+# A memory limit under one page: the kernel rounds it down to 0 pages (limits.PAGE_SIZE). The shim is
+# OOM-killed at its first page fault after joining, before it can say why; glibc's posix_spawn child
+# (CLONE_VFORK) was seen to hang there on Linux 6.12 with cgroup v2, its caller with it (the OOM killer
+# skips a task in vfork: oom_badness, mm/oom_kill.c). So every path says ENOMEM before anything runs.
+# Only a turn's own limit can be that small: the task and root budgets refuse such a size where they
+# are set (cgroup2_limiter), so the record a spawn holds, or reads under the turn's lock anyway, is
+# the whole answer and no limit file is read.
+def refuse_under_one_page(record: TurnRecord | None, program: str) -> None:
+    """Raise OSError(ENOMEM) when `record` (the turn's) sets a memory limit under one page."""
+    if record is None or not record.limits:  # most turns: no limits, nothing to parse
+        return
+    size = stored_under_one_page(record.limits)
+    if size is not None:
+        raise OSError(errno.ENOMEM, f"cannot start {program!r} in turn {record.turn_id!r}: its memory limit is "
+                                    f"{size} bytes, less than one page ({PAGE_SIZE}): nothing can run in it")
 
 
 def _abort(gates: SpawnGates, gate, proc: subprocess.Popen) -> None:

@@ -119,9 +119,10 @@ def spawn(record: "TurnRecord", where: SpawnTarget, meta: MetadataStore, hooks: 
         KernelError: the child could not join the turn's v1 cgroups for another reason.
         ValueError: a refused option, or an unknown user or group.
         OSError: as Popen, for the target program (FileNotFoundError, PermissionError, ...); ENOMEM
-            when a memory limit of the turn, its task or the root is under one page (nothing can run).
+            when the turn's memory limit is under one page (nothing can run; a task or root budget
+            that small is refused where it is set).
     """
-    shim.refuse_under_one_page(record, where, str(argv[0]) if argv else "")
+    shim.refuse_under_one_page(record, str(argv[0]) if argv else "")  # the record in hand: no file read
     way = choose(record, popen_kwargs)
     if way != SHIM:
         if record.sealed:
@@ -180,7 +181,7 @@ def _spawn_native(record: "TurnRecord", where: SpawnTarget, meta: MetadataStore,
         if way == CLONE3:
             proc = _start(meta, path, v1, env, argv, kwargs)
         else:
-            proc = kspawn.spawn_into(path, v1, lambda fd: _may_spawn(meta, path, fd, bool(v1)), argv, env,
+            proc = kspawn.spawn_into(path, v1, lambda fd: _may_spawn(meta, path, fd, bool(v1), argv), argv, env,
                                      kwargs, popen=posix_spawn.PosixSpawnPopen)
     except (_UseShim, posix_spawn.CannotHonour) as why:
         log.debug("spawn path for turn %r: shim (%s)", record.turn_id, why,
@@ -233,7 +234,7 @@ def _start(meta: MetadataStore, path: str, v1: list[str], env: tuple[bytes, ...]
                 raw = xattr_or_none(path, XATTR_KEY)
                 if raw is None:
                     break  # no record xattr: the locked way decides (a file record, a new turn)
-                if not _allows(record_from_xattr(raw, path), joins_v1):
+                if not _allows(record_from_xattr(raw, path), joins_v1, argv):
                     return None  # a record never returns to "running": no lock needed to say no
                 _remember(path, raw, joins_v1)
             else:
@@ -242,7 +243,7 @@ def _start(meta: MetadataStore, path: str, v1: list[str], env: tuple[bytes, ...]
             if proc is not None:
                 return proc
             _cleared.pop(path, None)
-    return kspawn.spawn_into(path, v1, lambda fd: _may_spawn(meta, path, fd, bool(v1)), argv, env, kwargs)
+    return kspawn.spawn_into(path, v1, lambda fd: _may_spawn(meta, path, fd, bool(v1), argv), argv, env, kwargs)
 
 
 # Turn directory -> (its record's xattr value, v1 joined): values that were found to say "running,
@@ -258,7 +259,7 @@ def _remember(path: str, raw: bytes, joins_v1: bool) -> None:
     _cleared[path] = (raw, joins_v1)
 
 
-def _allows(current: "TurnRecord | None", joins_v1: bool) -> bool:
+def _allows(current: "TurnRecord | None", joins_v1: bool, argv) -> bool:
     """Whether the turn's record lets a clone into it go ahead.
 
     The record is the whole answer. It says "not running" once a turn is marked. It says "frozen"
@@ -267,10 +268,13 @@ def _allows(current: "TurnRecord | None", joins_v1: bool) -> bool:
     frozen before the child has exec'd. (A freeze written behind cgturn's back, or one of an
     ancestor, holds the spawning thread until the thaw: docs/design.md.)
 
-    Raises _UseShim when the shim must take the spawn (frozen; v1 directories we do not join).
+    Raises _UseShim when the shim must take the spawn (frozen; v1 directories we do not join), and
+    OSError(ENOMEM) when the record sets a memory limit under one page (lowered since the caller's
+    record was read; shim.refuse_under_one_page).
     """
     if current is None or current.state != RUNNING:
         return False
+    shim.refuse_under_one_page(current, str(argv[0]) if argv else "")
     if current.v1_dirs and not joins_v1:
         raise _UseShim("the turn got v1 directories")
     if current.frozen_by is not None:
@@ -278,11 +282,11 @@ def _allows(current: "TurnRecord | None", joins_v1: bool) -> bool:
     return True
 
 
-def _may_spawn(meta: MetadataStore, path: str, fd: int, joins_v1: bool) -> bool:
+def _may_spawn(meta: MetadataStore, path: str, fd: int, joins_v1: bool, argv) -> bool:
     """_allows for the record read now, under the shared lock on the turn directory (open at `fd`)."""
     raw = xattr_or_none(fd, XATTR_KEY) if meta.use_xattrs else None
     current = meta.load(Cgroup(path)) if raw is None else record_from_xattr(raw, path)
-    if not _allows(current, joins_v1):
+    if not _allows(current, joins_v1, argv):
         return False
     if raw is not None:
         _remember(path, raw, joins_v1)
