@@ -320,9 +320,9 @@ def test_cli_limits_refuses_a_budget_under_one_page_with_exit_2(cgroup2_root, st
 
 
 def test_the_clone3_child_reports_its_errno_when_its_pipe_cannot_take_it(cgroup2_manager, monkeypatch):
-    """Past the check above (a limit lowered between it and the clone): the clone3 child's failed exec
-    still reaches the parent, through the memory it shares with it until exec, though its memory cgroup
-    cannot grow the pipe's buffer for its report."""
+    """Past the record's check (a limit file lowered behind cgturn's back): the clone3 child's failed
+    exec still reaches the parent, through the memory it shares with it until exec, though its memory
+    cgroup cannot grow the pipe's buffer for its report."""
     why = testing.spawn_path_unavailable("clone3")
     if why:
         pytest.skip(why)
