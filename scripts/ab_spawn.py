@@ -31,12 +31,16 @@ def main() -> int:
     ap.add_argument("--spawns", type=int, default=200)
     args = ap.parse_args()
     rows: dict[str, dict[str, list]] = {"before": {}, "after": {}}
+    loads = [os.getloadavg()[0]]
     for i in range(args.rounds):
         order = ("before", "after") if i % 2 == 0 else ("after", "before")
         for which in order:
+            loads.append(os.getloadavg()[0])
             for name, (call, cycle) in run(getattr(args, which), args.spawns).items():
                 rows[which].setdefault(name, []).append((call, cycle))
-    print(f"spawn A/B, {args.rounds} rounds x {args.spawns} spawns, alternating; median ms per process\n")
+    loads.append(os.getloadavg()[0])
+    print(f"spawn A/B, {args.rounds} rounds x {args.spawns} spawns, alternating; median ms per process; "
+          f"1-min load {min(loads):.1f}-{max(loads):.1f} over the run\n")
     print("| method | before: call | after: call | after/before | before: start to exit | after: start to exit "
           "| after/before | vs Popen before | vs Popen after |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
