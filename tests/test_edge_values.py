@@ -241,6 +241,16 @@ def test_each_spawn_path_gives_a_documented_outcome_in_a_tiny_memory_limit(cgrou
         turn.abandon("test", grace=0)
 
 
+def assert_refused_under_one_page(turn) -> None:
+    """Turn.spawn raises ENOMEM naming the page, and nothing of it runs in the turn."""
+    with pytest.raises(OSError) as err:
+        proc = turn.spawn(["echo", "ran"], stdout=subprocess.PIPE)
+        out, _ = proc.communicate(timeout=30)
+        pytest.fail(f"spawn looked clean: the process exited {proc.returncode} with {out!r}")
+    assert err.value.errno == errno.ENOMEM and "less than one page" in str(err.value), err.value
+    assert turn.pids() == []
+
+
 @pytest.mark.parametrize("path", testing.SPAWN_PATHS)
 def test_a_memory_limit_under_one_page_is_a_clear_spawn_error(cgroup2_manager, path):
     """Below one page the kernel leaves a spawn no memory at all: the native child cannot even write
@@ -254,12 +264,7 @@ def test_a_memory_limit_under_one_page_is_a_clear_spawn_error(cgroup2_manager, p
     turn = cgroup2_manager.begin_turn("tiny", limits=Limits(memory_max=100))
     try:
         with testing.forced_spawn_path(path):
-            with pytest.raises(OSError) as err:
-                proc = turn.spawn(["echo", "ran"], stdout=subprocess.PIPE)
-                out, _ = proc.communicate(timeout=30)
-                pytest.fail(f"spawn looked clean: the process exited {proc.returncode} with {out!r}")
-        assert err.value.errno == errno.ENOMEM and "less than one page" in str(err.value), err.value
-        assert turn.pids() == []
+            assert_refused_under_one_page(turn)
     finally:
         turn.abandon("test", grace=0)
 
@@ -281,12 +286,7 @@ def test_a_limit_lowered_under_one_page_behind_the_callers_record_is_still_refus
             turn.spawn(["true"]).wait(timeout=30)
             with TurnManager(root=cgroup2_manager.root, state_dir=cgroup2_manager.state_dir) as other:
                 other.turn("lowered", turn.turn_id).set_limits(Limits(memory_max=100))
-            with pytest.raises(OSError) as err:
-                proc = turn.spawn(["echo", "ran"], stdout=subprocess.PIPE)
-                out, _ = proc.communicate(timeout=30)
-                pytest.fail(f"spawn looked clean: the process exited {proc.returncode} with {out!r}")
-        assert err.value.errno == errno.ENOMEM and "less than one page" in str(err.value), err.value
-        assert turn.pids() == []
+            assert_refused_under_one_page(turn)
     finally:
         turn.abandon("test", grace=0)
 
