@@ -323,6 +323,7 @@ class TurnManager:
 
         Raises:
             LimitsUnavailable: a limit cannot be enforced here (the registry enforces none).
+            ValueError: a `memory_max` under one page (no turn could be made below it).
         """
         self._governance.set_limits(limits)
 
@@ -340,7 +341,7 @@ class TurnManager:
         A task with limits keeps its cgroup between turns, until `end_task`.
 
         Raises:
-            ValueError: an invalid task id.
+            ValueError: an invalid task id, or a `memory_max` under one page (nothing made).
             LimitsUnavailable: a limit cannot be enforced here.
         """
         self._governance.set_task_limits(task_id, limits)
