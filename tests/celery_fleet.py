@@ -42,6 +42,21 @@ if BENCH:
         _times[task_id] = [time.perf_counter()]
 if os.environ.get("FLEET_CGTURN", "1") == "1":
     cgturn.celery.setup(app, grace=0.2, **json.loads(os.environ.get("FLEET_DEFAULTS", "{}")))
+_steps = {}
+if BENCH and os.environ.get("FLEET_CGTURN", "1") == "1":
+    # Each cgturn call the integration makes per task, timed where it runs (in the pool process).
+    def _timed(name, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                _steps[name] = time.perf_counter() - t0
+        return wrapper
+    cgturn.TurnManager.begin_turn = _timed("begin_turn", cgturn.TurnManager.begin_turn)
+    cgturn.TurnManager.leave_turn = _timed("leave_turn", cgturn.TurnManager.leave_turn)
+    cgturn.Turn.enter = _timed("enter", cgturn.Turn.enter)
+    cgturn.Turn.complete = _timed("complete", cgturn.Turn.complete)
 if BENCH:
     @signals.task_postrun.connect(weak=False)
     def _last_postrun(task_id=None, **_):  # connected after cgturn's receivers: runs after them
@@ -50,7 +65,8 @@ if BENCH:
             t.append(time.perf_counter())
             with open(os.path.join(OUT, "bench-%d.jsonl" % os.getpid()), "a") as f:
                 f.write(json.dumps({"task": task_id, "overhead_s": (t[1] - t[0]) + (t[3] - t[2]),
-                                    "body_s": t[2] - t[1]}) + "\n")
+                                    "body_s": t[2] - t[1], "steps_s": dict(_steps)}) + "\n")
+        _steps.clear()
 
 
 @app.task(bind=True, name="fleet.true")
