@@ -9,17 +9,21 @@ task by task (so both see the same load; the load average is printed with every 
    receiver (receivers connected before and after cgturn's), minus the same without the integration;
    and, in the pool processes, the time of each cgturn call the integration makes (begin_turn,
    Turn.enter, leave_turn, complete);
-2. the end-to-end latency of that task through Redis (send_task -> result);
+   the same added cost with the tasks sent back to back (each worker gets a round's tasks at once),
+   where a pool process moves between cgroups in quick succession;
+2. the end-to-end latency of that task through Redis (send_task -> result, one at a time);
 3. the time from `revoke(terminate=True)` to "nothing the task started is alive", for a task that
    left a `setsid` child: cgturn vs Celery alone (which never gets there; bounded, then this script
    kills the child it started);
 4. `--breakdown`: where the added cost goes, in this process, with the integration's own code
    (`Integration.begin`/`end`, what a pool process runs per task): each cgturn call it makes timed
    (begin_turn, Turn.enter, leave_turn, complete), the integration's own work as the rest, with and
-   without a sentinel; beside it the bare cgturn calls, alternated with the integration turn by turn.
+   without a sentinel, back to back and with `--gap` ms of idleness before each turn; beside it the
+   bare cgturn calls, alternated with the integration turn by turn, and the kernel's floor: this
+   process moved into a cgroup and back by bare writes to cgroup.procs, after the same idleness.
 
 Run as root from a checkout with the celery extra, redis-server installed:
-    python3 scripts/bench_celery.py [--rounds 5] [--tasks 100] [--revokes 10] [--breakdown 200] [--json]
+    python3 scripts/bench_celery.py [--rounds 5] [--tasks 100] [--revokes 10] [--breakdown 200] [--gap 20] [--json]
 Everything it starts (Redis, workers, their managed roots) it stops and removes, failures included.
 """
 from __future__ import annotations
@@ -147,6 +151,26 @@ def fleet(args, mount: str) -> dict:
                 "added_ms": round(ms(statistics.median(hooks["with"])) - ms(statistics.median(hooks["without"])), 3),
                 "end_to_end_ms": {q: spread(v)["median"] for q, v in latency.items()},
             })
+        # Back to back: each worker gets `tasks` tasks at once (workers alternate, round by round), so
+        # a pool process takes its next task right after the last; the cgroup moves then come in
+        # quick succession, which changes what the kernel makes them cost (docs/celery.md).
+        burst_rounds = []
+        burst_all: dict[str, list[float]] = {"with": [], "without": []}
+        burst_steps: dict[str, list[float]] = {}
+        for n in range(args.rounds):
+            load_before = load()
+            hooks = {}
+            for q in (("with", "without") if n % 2 == 0 else ("without", "with")):
+                results = [client.send_task("fleet.true", queue=q) for _ in range(args.tasks)]
+                for res in results:
+                    res.get(timeout=120)
+                hooks[q] = take_overheads(out, pids[q], burst_steps)
+                burst_all[q].extend(hooks[q])
+            burst_rounds.append({
+                "round": n + 1, "load": [load_before, load()],
+                "hooks_ms": {q: spread(v)["median"] for q, v in hooks.items()},
+                "added_ms": round(ms(statistics.median(hooks["with"])) - ms(statistics.median(hooks["without"])), 3),
+            })
         revoke: dict[str, list[float | None]] = {"with": [], "without": []}
         revoke_load = load()
         for _ in range(args.revokes):
@@ -159,6 +183,13 @@ def fleet(args, mount: str) -> dict:
             "added_per_task_ms": {"median_of_rounds": round(statistics.median(added), 3),
                                   "min": min(added), "max": max(added)},
             "hooks_ms": {q: spread(v) for q, v in hooks_all.items()},
+            "back_to_back": {"rounds": burst_rounds,
+                             "added_per_task_ms": {"median_of_rounds": round(statistics.median(
+                                 [r["added_ms"] for r in burst_rounds]), 3),
+                                 "min": min(r["added_ms"] for r in burst_rounds),
+                                 "max": max(r["added_ms"] for r in burst_rounds)},
+                             "hooks_ms": {q: spread(v) for q, v in burst_all.items()},
+                             "steps_in_worker_ms": {name: spread(v) for name, v in sorted(burst_steps.items())}},
             "steps_in_worker_ms": {name: spread(v) for name, v in sorted(steps.items())},
             "end_to_end_ms": {q: spread(v) for q, v in latency_all.items()},
             "revoke_to_gone_ms": {q: (spread([x for x in v if x is not None]) if all(x is not None for x in v)
@@ -204,6 +235,23 @@ class Steps:
         cgturn.Turn.enter, cgturn.Turn.complete = self.saved
 
 
+FLOOR = ("move_in_floor", "move_out_floor")
+
+
+def own_v2_cgroup() -> str:
+    """This process's cgroup v2 path (the `0::` line of /proc/self/cgroup)."""
+    with open("/proc/self/cgroup") as f:
+        return next(line[3:].strip() for line in f if line.startswith("0::"))
+
+
+def move(procs: str, pid: bytes) -> None:
+    fd = os.open(procs, os.O_WRONLY)
+    try:
+        os.write(fd, pid)
+    finally:
+        os.close(fd)
+
+
 def cpu_seconds(pid: int | None) -> float:
     """User + system CPU seconds of `pid` so far (0 for None), from /proc/PID/stat."""
     if pid is None:
@@ -213,8 +261,9 @@ def cpu_seconds(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def breakdown(turns: int, mount: str, sentinel: bool) -> dict:
-    """Figure 4, one manager: the integration's per-task path, alternated with the bare cgturn calls."""
+def breakdown(turns: int, mount: str, sentinel: bool, gap: float = 0.0) -> dict:
+    """Figure 4, one manager: the integration's per-task path, alternated with the bare cgturn calls;
+    `gap` seconds of idleness before each (a worker waiting for its next task)."""
     import cgturn
     import cgturn.celery as cc
 
@@ -230,13 +279,18 @@ def breakdown(turns: int, mount: str, sentinel: bool) -> dict:
         it = cc.Integration(app, cc.check_settings({}, "bench"), role="pool", manager=mgr)
         task = types.SimpleNamespace(name="bench.true", app=app, request=types.SimpleNamespace(retries=0))
         steps = Steps(mgr)
-        per: dict[str, list[float]] = {name: [] for name in Steps.NAMES + ("integration", "own", "bare")}
+        per: dict[str, list[float]] = {name: [] for name in Steps.NAMES + FLOOR + ("integration", "own", "bare")}
+        floor = os.path.join(root, "floor", "cgroup.procs")  # a cgroup of this bench's managed root
+        os.makedirs(os.path.dirname(floor))
+        home = os.path.join(mount, own_v2_cgroup().lstrip("/"), "cgroup.procs")
+        pid = str(os.getpid()).encode()
         load_before = load()
         cpu_before: dict[str, float] = {}
         for i in range(turns + 20):
             if i == 20:
                 cpu_before = {"sentinel": cpu_seconds(sentinel_pid), "self": cpu_seconds(os.getpid())}
             celery_id = uuid.uuid4().hex
+            time.sleep(gap)  # pacing, not a wait: the idle time between two tasks
             t0 = time.perf_counter_ns()
             it.begin(task, celery_id, (), {})
             t1 = time.perf_counter_ns()
@@ -246,6 +300,7 @@ def breakdown(turns: int, mount: str, sentinel: bool) -> dict:
             t3 = time.perf_counter_ns()
             total = (t1 - t0) + (t3 - t2)
             step = dict(steps.last)
+            time.sleep(gap)
             t4 = time.perf_counter_ns()  # the same four calls, bare
             turn = mgr.begin_turn(celery_id, "bare", limits=cgturn.Limits())
             turn.enter()
@@ -255,8 +310,16 @@ def breakdown(turns: int, mount: str, sentinel: bool) -> dict:
             mgr.leave_turn()
             turn.complete()
             t7 = time.perf_counter_ns()
+            time.sleep(gap)
+            t8 = time.perf_counter_ns()  # the kernel's floor: the same move in and out, bare writes
+            move(floor, pid)
+            t9 = time.perf_counter_ns()
+            move(home, pid)
+            t10 = time.perf_counter_ns()
             if i < 20:
                 continue  # warm-up
+            per["move_in_floor"].append((t9 - t8) / 1e9)
+            per["move_out_floor"].append((t10 - t9) / 1e9)
             for name in Steps.NAMES:
                 per[name].append(step[name] / 1e9)
             per["integration"].append(total / 1e9)
@@ -265,7 +328,7 @@ def breakdown(turns: int, mount: str, sentinel: bool) -> dict:
         # CPU of both processes per turn: the integration's turn and the bare one (and the spawns).
         cpu = {who: round((cpu_seconds(pid) - cpu_before[who]) * 1000 / (2 * turns), 3)
                for who, pid in (("sentinel", sentinel_pid), ("self", os.getpid()))}
-        return {"sentinel": sentinel, "turns": turns, "load": [load_before, load()],
+        return {"sentinel": sentinel, "gap_ms": gap * 1000, "turns": turns, "load": [load_before, load()],
                 "cpu_ms_per_turn": cpu, **{name: spread(v) for name, v in per.items()}}
     finally:
         if steps is not None:
@@ -286,6 +349,8 @@ def main() -> int:
     parser.add_argument("--revokes", type=int, default=10)
     parser.add_argument("--bound", type=float, default=5.0, help="seconds to wait for Celery alone")
     parser.add_argument("--breakdown", type=int, default=200, help="turns per breakdown (0: none)")
+    parser.add_argument("--gap", type=float, default=20.0,
+                        help="ms of idleness before each turn in the last breakdown (the others: none)")
     parser.add_argument("--breakdown-only", action="store_true", help="skip the workers and Redis")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -294,7 +359,8 @@ def main() -> int:
     if not args.breakdown_only:
         report["fleet"] = fleet(args, mount)
     if args.breakdown:
-        report["breakdown"] = [breakdown(args.breakdown, mount, sentinel) for sentinel in (True, False)]
+        report["breakdown"] = [breakdown(args.breakdown, mount, sentinel, gap)
+                               for sentinel, gap in ((True, 0.0), (False, 0.0), (True, args.gap / 1000))]
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -306,13 +372,22 @@ def main() -> int:
             print(f"  round {r['round']}: load {r['load'][0]}-{r['load'][1]}  hooks with {r['hooks_ms']['with']} ms, "
                   f"without {r['hooks_ms']['without']} ms, added {r['added_ms']} ms; end to end "
                   f"{r['end_to_end_ms']['with']} vs {r['end_to_end_ms']['without']} ms")
-        for key in ("added_per_task_ms", "hooks_ms", "steps_in_worker_ms", "end_to_end_ms", "revoke_to_gone_ms", "revoke_never_gone",
+        for key in ("added_per_task_ms", "hooks_ms", "steps_in_worker_ms"):
+            print(f"{key:22} {f[key]}")
+        print(f"back to back, {f['tasks_per_round']} tasks at once per worker and round")
+        for r in f["back_to_back"]["rounds"]:
+            print(f"  round {r['round']}: load {r['load'][0]}-{r['load'][1]}  hooks with {r['hooks_ms']['with']} ms, "
+                  f"without {r['hooks_ms']['without']} ms, added {r['added_ms']} ms")
+        for key in ("added_per_task_ms", "hooks_ms", "steps_in_worker_ms"):
+            print(f"  {key:20} {f['back_to_back'][key]}")
+        for key in ("end_to_end_ms", "revoke_to_gone_ms", "revoke_never_gone",
                     "revoke_bound_s", "revoke_load"):
             print(f"{key:22} {f[key]}")
     for b in report.get("breakdown", []):
-        print(f"breakdown, sentinel {'on' if b['sentinel'] else 'off'}, {b['turns']} turns, load "
+        print(f"breakdown, sentinel {'on' if b['sentinel'] else 'off'}, {b['gap_ms']:g} ms idle before each, "
+              f"{b['turns']} turns, load "
               f"{b['load'][0]}-{b['load'][1]} (ms: median p10 p90); CPU ms per turn {b['cpu_ms_per_turn']}")
-        for name in Steps.NAMES + ("own", "integration", "bare"):
+        for name in Steps.NAMES + ("own", "integration", "bare") + FLOOR:
             print(f"  {name:12} {b[name]}")
     return 0
 

@@ -57,6 +57,8 @@ if BENCH and os.environ.get("FLEET_CGTURN", "1") == "1":
     cgturn.TurnManager.leave_turn = _timed("leave_turn", cgturn.TurnManager.leave_turn)
     cgturn.Turn.enter = _timed("enter", cgturn.Turn.enter)
     cgturn.Turn.complete = _timed("complete", cgturn.Turn.complete)
+    cgturn.celery.Integration.begin = _timed("receiver_prerun", cgturn.celery.Integration.begin)
+    cgturn.celery.Integration.end = _timed("receiver_postrun", cgturn.celery.Integration.end)
 if BENCH:
     @signals.task_postrun.connect(weak=False)
     def _last_postrun(task_id=None, **_):  # connected after cgturn's receivers: runs after them
