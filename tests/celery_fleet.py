@@ -188,6 +188,22 @@ def session(self, session, mode):
 '''
 
 
+def need_module(name: str):
+    """The module `name`; skip without it (fail in CI, whose .ci/run installs the celery extra: a skip
+    there would hide the tests)."""
+    import importlib
+
+    import pytest
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        message = f"{name} is not installed ({err}; pip install '.[celery]', which .ci/run installs)"
+        if os.environ.get("CI"):
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message, allow_module_level=True)
+
+
 def need_tool(name: str, package: str) -> None:
     """Skip without `name` (fail in CI, whose .ci/run installs it: a skip there would hide the tests)."""
     if shutil.which(name) is None:
