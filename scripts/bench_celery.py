@@ -15,12 +15,13 @@ task by task (so both see the same load; the load average is printed with every 
 3. the time from `revoke(terminate=True)` to "nothing the task started is alive", for a task that
    left a `setsid` child: cgturn vs Celery alone (which never gets there; bounded, then this script
    kills the child it started);
-4. `--breakdown` (scripts/bench_celery_steps.py): where the added cost goes, in this process, with the integration's own code
-   (`Integration.begin`/`end`, what a pool process runs per task): each cgturn call it makes timed
-   (begin_turn, Turn.enter, leave_turn, complete), the integration's own work as the rest, with and
-   without a sentinel, back to back and with `--gap` ms of idleness before each turn; beside it the
-   bare cgturn calls, alternated with the integration turn by turn, and the kernel's floor: this
-   process moved into a cgroup and back by bare writes to cgroup.procs, after the same idleness.
+4. `--breakdown` (scripts/bench_celery_steps.py): where the added cost goes, in this process, with
+   the integration's own code (`Integration.begin`/`end`, what a pool process runs per task): each
+   cgturn call it makes timed (begin_turn, Turn.enter, leave_turn, complete), the integration's own
+   work as the rest, with and without a sentinel, back to back and with `--gap` ms of idleness
+   before each turn; beside it the bare cgturn calls, alternated with the integration turn by turn,
+   and the kernel's floor: this process moved into a cgroup and back by bare writes to
+   cgroup.procs, after the same idleness.
 
 Run as root from a checkout with the celery extra, redis-server installed:
     python3 scripts/bench_celery.py [--rounds 5] [--tasks 100] [--revokes 10] [--breakdown 200] [--gap 20] [--json]
