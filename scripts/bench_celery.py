@@ -2,7 +2,8 @@
 
 Starts a Redis on a loopback port and two prefork workers (concurrency 2) of the same app, one with
 `cgturn.celery.setup(app)` and one without, then measures, in rounds that alternate the two workers
-task by task (so both see the same load; the load average is printed with every round):
+task by task (so both see the same load; the load average is printed with every round), each task
+sent once the last one's pool process has finished its `task_postrun`:
 
 1. the added cost per task inside the worker, for a task that spawns /bin/true: the time from the
    first `task_prerun` receiver to the task body plus from the body's end to the last `task_postrun`
@@ -110,6 +111,9 @@ def fleet(args, mount: str) -> dict:
         for _ in range(10):  # warm both up
             for q in pids:
                 client.send_task("fleet.true", queue=q).get(timeout=30)
+        wait_until(lambda: len(glob.glob(os.path.join(out, "done-*"))) >= 20, timeout=30)
+        for done in glob.glob(os.path.join(out, "done-*")):
+            os.unlink(done)
         for q in pids:
             take_overheads(out, pids[q])
         rounds = []
@@ -122,8 +126,15 @@ def fleet(args, mount: str) -> dict:
             for i in range(args.tasks):
                 for q in (("with", "without") if i % 2 == 0 else ("without", "with")):
                     t0 = time.perf_counter()
-                    client.send_task("fleet.true", queue=q).get(timeout=30)
+                    res = client.send_task("fleet.true", queue=q)
+                    res.get(timeout=30)
                     latency[q].append(time.perf_counter() - t0)
+                    # Celery stores the result before task_postrun: the next task waits until this
+                    # one's pool process is done, so neither worker's hooks overlap the other's task.
+                    done = os.path.join(out, "done-" + res.id)
+                    if not wait_until(lambda: os.path.exists(done), timeout=30, interval=0.0002):
+                        raise RuntimeError(f"task {res.id} never finished its task_postrun")
+                    os.unlink(done)
             hooks = {q: take_overheads(out, pids[q], steps) for q in pids}
             for q in pids:
                 hooks_all[q].extend(hooks[q])
@@ -147,6 +158,9 @@ def fleet(args, mount: str) -> dict:
                 results = [client.send_task("fleet.true", queue=q) for _ in range(args.tasks)]
                 for res in results:
                     res.get(timeout=120)
+                wait_until(lambda: len(glob.glob(os.path.join(out, "done-*"))) >= args.tasks, timeout=30)
+                for done in glob.glob(os.path.join(out, "done-*")):
+                    os.unlink(done)
                 hooks[q] = take_overheads(out, pids[q], burst_steps)
                 burst_all[q].extend(hooks[q])
             burst_rounds.append({
