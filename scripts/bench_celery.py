@@ -9,7 +9,7 @@ sent once the last one's pool process has finished its `task_postrun`:
    first `task_prerun` receiver to the task body plus from the body's end to the last `task_postrun`
    receiver (receivers connected before and after cgturn's), minus the same without the integration;
    and, in the pool processes, the time of each cgturn call the integration makes (begin_turn,
-   Turn.enter, leave_turn, complete);
+   Turn.enter, leave_turn, complete) and of the two halves of the hooks (before and after the body);
    the same added cost with the tasks sent back to back (each worker gets a round's tasks at once),
    where a pool process moves between cgroups in quick succession;
 2. the end-to-end latency of that task through Redis (send_task -> result, one at a time);
@@ -62,6 +62,10 @@ def take_overheads(out: str, worker_pids: set[int], steps: dict[str, list[float]
                         entry = json.loads(line)
                         values.append(entry["overhead_s"])
                         if steps is not None:
+                            # "pre"/"post": the two halves of the hooks, keyed by worker.
+                            side = "with" if entry.get("steps_s") else "without"
+                            for half in ("pre", "post"):
+                                steps.setdefault(f"{half}_hooks_{side}", []).append(entry[f"{half}_s"])
                             for name, seconds in entry.get("steps_s", {}).items():
                                 steps.setdefault(name, []).append(seconds)
             os.unlink(path)

@@ -67,7 +67,8 @@ if BENCH:
             t.append(time.perf_counter())
             with open(os.path.join(OUT, "bench-%d.jsonl" % os.getpid()), "a") as f:
                 f.write(json.dumps({"task": task_id, "overhead_s": (t[1] - t[0]) + (t[3] - t[2]),
-                                    "body_s": t[2] - t[1], "steps_s": dict(_steps)}) + "\n")
+                                    "pre_s": t[1] - t[0], "post_s": t[3] - t[2], "body_s": t[2] - t[1],
+                                    "steps_s": dict(_steps)}) + "\n")
             open(os.path.join(OUT, "done-" + task_id), "w").close()  # the bench waits for it
         _steps.clear()
 
