@@ -42,6 +42,23 @@ if BENCH:
         _times[task_id] = [time.perf_counter()]
 if os.environ.get("FLEET_CGTURN", "1") == "1":
     cgturn.celery.setup(app, grace=0.2, **json.loads(os.environ.get("FLEET_DEFAULTS", "{}")))
+_steps = {}
+if BENCH and os.environ.get("FLEET_CGTURN", "1") == "1":
+    # Each cgturn call the integration makes per task, timed where it runs (in the pool process).
+    def _timed(name, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                _steps[name] = time.perf_counter() - t0
+        return wrapper
+    cgturn.TurnManager.begin_turn = _timed("begin_turn", cgturn.TurnManager.begin_turn)
+    cgturn.TurnManager.leave_turn = _timed("leave_turn", cgturn.TurnManager.leave_turn)
+    cgturn.Turn.enter = _timed("enter", cgturn.Turn.enter)
+    cgturn.Turn.complete = _timed("complete", cgturn.Turn.complete)
+    cgturn.celery.Integration.begin = _timed("receiver_prerun", cgturn.celery.Integration.begin)
+    cgturn.celery.Integration.end = _timed("receiver_postrun", cgturn.celery.Integration.end)
 if BENCH:
     @signals.task_postrun.connect(weak=False)
     def _last_postrun(task_id=None, **_):  # connected after cgturn's receivers: runs after them
@@ -50,7 +67,10 @@ if BENCH:
             t.append(time.perf_counter())
             with open(os.path.join(OUT, "bench-%d.jsonl" % os.getpid()), "a") as f:
                 f.write(json.dumps({"task": task_id, "overhead_s": (t[1] - t[0]) + (t[3] - t[2]),
-                                    "body_s": t[2] - t[1]}) + "\n")
+                                    "pre_s": t[1] - t[0], "post_s": t[3] - t[2], "body_s": t[2] - t[1],
+                                    "steps_s": dict(_steps)}) + "\n")
+            open(os.path.join(OUT, "done-" + task_id), "w").close()  # the bench waits for it
+        _steps.clear()
 
 
 @app.task(bind=True, name="fleet.true")
@@ -168,6 +188,22 @@ def tight(self, mode):
 def session(self, session, mode):
     return behave(self, mode)
 '''
+
+
+def need_module(name: str):
+    """The module `name`; skip without it (fail in CI, whose .ci/run installs the celery extra: a skip
+    there would hide the tests)."""
+    import importlib
+
+    import pytest
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        message = f"{name} is not installed ({err}; pip install '.[celery]', which .ci/run installs)"
+        if os.environ.get("CI"):
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message, allow_module_level=True)
 
 
 def need_tool(name: str, package: str) -> None:

@@ -10,8 +10,10 @@ import signal
 
 import pytest
 
-celery = pytest.importorskip("celery", reason="the celery extra is not installed (pip install '.[celery]')")
-pytest.importorskip("redis", reason="redis-py is not installed (pip install '.[celery]')")
+from celery_fleet import need_module  # noqa: E402
+
+celery = need_module("celery")
+need_module("redis")
 
 import cgturn  # noqa: E402
 import cgturn.celery as cc  # noqa: E402
@@ -272,6 +274,18 @@ def test_a_sigkilled_worker_leaves_nothing_behind(fleet, lone_worker, leftovers)
             pass
     assert all_gone(what), survivors(what)
     assert wait_reason(w, res.id) == ["owner-died"]
+
+
+def test_a_lost_pool_process_without_a_sentinel_is_abandoned_by_the_main_process(fleet, lone_worker, leftovers):
+    """sentinel=False: nothing watches the pool process, so the main process's task_failure
+    (WorkerLostError) is what ends the turn when the pool process is SIGKILLed."""
+    w = lone_worker("n", env=dict(fleet.env, FLEET_DEFAULTS='{"sentinel": false}'))
+    res, what = running_task(fleet, leftovers, "n", "hang")
+    os.kill(what["pool"], signal.SIGKILL)  # a pool process of the worker this test started
+    with pytest.raises(Exception, match="WorkerLost|exited prematurely|signal 9"):
+        res.get(timeout=RESULT_TIMEOUT)
+    assert all_gone(what), survivors(what)
+    assert wait_reason(w, res.id) == [cc.WORKER_LOST]
 
 
 def test_a_cold_shutdown_abandons_the_running_task(fleet, lone_worker, leftovers):

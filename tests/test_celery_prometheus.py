@@ -14,8 +14,10 @@ import urllib.request
 
 import pytest
 
-celery = pytest.importorskip("celery", reason="the celery extra is not installed (pip install '.[celery]')")
-pytest.importorskip("redis", reason="redis-py is not installed (pip install '.[celery]')")
+from celery_fleet import need_module  # noqa: E402
+
+celery = need_module("celery")
+need_module("redis")
 
 from celery_fleet import (  # noqa: E402
     Redis, all_gone, fleet_env, free_port, listening, need_tool, reap_orphans, spawned,
