@@ -157,10 +157,14 @@ class TurnControl:
 
     def _abandon_turn(self, task_key: str, turn_key: str, reason: str, grace: float, force: bool,
                       when: Callable[[TurnRecord], bool] | None) -> AbandonResult:
-        rec = self.backend.load(task_key, turn_key)
-        if rec is None:
-            return AbandonResult(skipped=True, reason=reason)
-        self.refuse_if_caller_inside(rec)
+        # The refusal comes before the mark, so a refused abandon changes nothing. Where the backend
+        # can answer from the names (a cgroup's member list) and the answer is no, the record is not
+        # read first: the mark reads it under the lock, and a turn that is gone is skipped there.
+        if self.backend.contains_caller_at(task_key, turn_key) is not False:
+            rec = self.backend.load(task_key, turn_key)
+            if rec is None:
+                return AbandonResult(skipped=True, reason=reason)
+            self.refuse_if_caller_inside(rec)
         allowed = _ABANDONABLE_FORCED if force else _ABANDONABLE
         updates = {"reason": reason, "ended_at": time.time(), "killer_pid": os.getpid(),
                    "killer_start": procfs.own_start_time()}

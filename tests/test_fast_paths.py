@@ -43,6 +43,73 @@ def test_an_abandon_reads_the_callers_ancestry_once(cgroup2_manager, monkeypatch
     assert result.killed == [proc.pid] and reads == [os.getpid()]
 
 
+def test_the_callers_ancestry_is_walked_without_its_own_or_pid_1s_stat(monkeypatch):
+    """getppid(2) gives the first step and PID 1 ends the walk: neither /proc/self/stat nor
+    /proc/1/stat is read, and the answer is the full walk's."""
+    def full_walk(pid: int) -> set[int]:
+        out: set[int] = set()
+        while (ppid := procfs.HOST.stat(pid).ppid) > 0:
+            out.add(ppid)
+            pid = ppid
+        return out
+
+    expected = full_walk(os.getpid())
+    read: list[str] = []
+    real = procfs.ProcFS.read
+    monkeypatch.setattr(procfs.ProcFS, "read", lambda self, pid, what, whole=False:
+                        read.append(f"{pid}/{what}") or real(self, pid, what, whole))
+    assert procfs.ancestors(os.getpid()) == expected and 1 in expected
+    assert f"{os.getpid()}/stat" not in read and "1/stat" not in read
+    assert len(read) == len(expected) - 1  # one stat read per ancestor but PID 1
+
+
+def test_an_abandon_that_finds_the_turn_gone_skips_it(cgroup2_manager):
+    """The mark reads the record under the lock (the abandon no longer reads it before): a turn removed
+    meanwhile is skipped, as before."""
+    turn = cgroup2_manager.begin_turn("fast", "gone")
+    other = TurnManager(root=cgroup2_manager.backend.location, backend="cgroup2", state_dir=cgroup2_manager.state_dir)
+    try:
+        other.turn("fast", "gone").complete()
+    finally:
+        other.close()
+    assert turn.abandon("test", grace=0).skipped
+
+
+def test_cgturn_run_imports_neither_asyncio_nor_the_stdlibs_heavy_helpers(cgroup2_root, state_dir):
+    """A blocking supervisor needs no event loop, a program is looked up without shutil, a turn id
+    drawn without secrets (hmac, hashlib): `cgturn run` imports none of them."""
+    code = textwrap.dedent("""
+        import sys
+        before = set(sys.modules)  # what the interpreter's own start imported (site may import shutil)
+        from cgturn.cli import main
+        status = main(sys.argv[1:])
+        print(sorted(m for m in ("asyncio", "shutil", "secrets", "hmac") if m in sys.modules and m not in before))
+        sys.exit(status)
+    """)
+    out = subprocess.run([PY, "-c", code, "--root", cgroup2_root, "--state-dir", state_dir, "run", "--", "true"],
+                         capture_output=True, text=True, env=cgturn_env(), timeout=60)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+
+
+def test_a_program_is_found_on_path_as_shutil_which_finds_it(tmp_path):
+    import shutil
+
+    from cgturn.backends.base import resolve_program
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "tool").write_text("")  # not executable: skipped
+    (tmp_path / "a" / "dir").mkdir()  # a directory: skipped
+    for name in ("tool", "dir"):
+        (tmp_path / "b" / name).write_text("#!/bin/sh\n")
+        (tmp_path / "b" / name).chmod(0o755)
+    path = os.pathsep.join([str(tmp_path / "a"), str(tmp_path / "b"), "/usr/bin"])
+    for program in ("tool", "dir", "true"):
+        assert resolve_program(program, path) == shutil.which(program, path=path), program
+    with pytest.raises(FileNotFoundError):
+        resolve_program("no-such-program-here", path)
+
+
 def test_a_turn_holding_the_caller_is_still_refused(cgroup2_manager):
     turn = cgroup2_manager.begin_turn("fast", "me")
     turn.enter()
