@@ -83,7 +83,7 @@ def test_cgturn_run_imports_neither_asyncio_nor_the_stdlibs_heavy_helpers(cgroup
         before = set(sys.modules)  # what the interpreter's own start imported (site may import shutil)
         from cgturn.cli import main
         status = main(sys.argv[1:])
-        print(sorted(m for m in ("asyncio", "shutil", "secrets", "hmac") if m in sys.modules and m not in before))
+        print(sorted(m for m in ("asyncio", "shutil", "secrets", "hmac", "concurrent.futures") if m in sys.modules and m not in before))
         sys.exit(status)
     """)
     out = subprocess.run([PY, "-c", code, "--root", cgroup2_root, "--state-dir", state_dir, "run", "--", "true"],
@@ -233,3 +233,43 @@ def test_ps_json_is_one_array_with_a_turn_per_line(cgroup2_manager, cgroup2_root
     for turn in turns:
         turn.complete()
     assert cli(cgroup2_root, state_dir, "ps", "--json").stdout == "[]\n"
+
+
+def _subparsers(parser):
+    import argparse
+
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_a_parser_of_one_command_parses_and_helps_as_the_full_one(monkeypatch):
+    """`cgturn run ...` builds run's subparser alone: the map of commands names every command of the
+    full parser, and each one's subparser alone reads and explains the same options."""
+    from cgturn import cli
+
+    monkeypatch.setenv("COLUMNS", "100")
+    full = _subparsers(cli.build_parser())
+    assert set(full) == set(cli.COMMAND_MODULES)
+    for name in full:
+        alone = _subparsers(cli.build_parser(name))
+        assert list(alone) == [name] or set(alone) == {"pause", "resume"}, name
+        assert alone[name].format_help() == full[name].format_help(), name
+
+
+def test_the_command_is_found_only_behind_global_options():
+    from cgturn.cli import command_named
+
+    assert command_named(["run", "--", "ps"]) == "run"
+    assert command_named(["--root", "/r", "--state-dir=/s", "--backend", "cgroup2", "ps", "--json"]) == "ps"
+    assert command_named(["--root", "ps", "run"]) == "run"  # `ps` is --root's value here
+    for argv in (["--help"], ["--version"], [], ["--ro", "/r", "ps"], ["rnu"], ["-h", "run"]):
+        assert command_named(argv) is None, argv  # the full parser reads these
+
+
+def test_the_help_width_is_shutils(monkeypatch):
+    import shutil
+
+    from cgturn.cli.common import terminal_columns
+
+    for columns in ("123", "", "junk", "-4"):
+        monkeypatch.setenv("COLUMNS", columns)
+        assert terminal_columns() == shutil.get_terminal_size().columns, columns
