@@ -39,7 +39,8 @@ class Parser(argparse.ArgumentParser):
         # argparse makes a formatter at every add_argument (its metavar check) and each one asks
         # shutil.get_terminal_size for the width: an import of shutil (bz2, lzma) at every start.
         # The same width, read without it.
-        return self.formatter_class(prog=self.prog, width=terminal_columns() - 2)
+        # (typeshed's formatter protocol names `prog` only; every argparse.HelpFormatter takes `width`)
+        return self.formatter_class(prog=self.prog, width=terminal_columns() - 2)  # type: ignore[call-arg]
 
 
 def terminal_columns() -> int:
