@@ -16,7 +16,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import freezing, ids, keys, killing, leases, reasons
+from . import ids, killing, leases, reasons
 from .backends.base import Backend
 from .errors import AccessDenied, LockTimeout, NoSuchProcess, NoSuchTurn, RegistryUnavailable, UnsafeOperation
 from .events import Listeners, TurnEnded
@@ -276,6 +276,8 @@ class TurnControl:
     def spawn_keyed(self, rec: TurnRecord, argv: Argv, key: str, popen_kwargs: dict[str, Any]) -> "subprocess.Popen[Any]":
         """Spawn into `rec`'s turn unless a live process of its task holds `key` (cgturn.keys).
         Raises AlreadyRunning (`.pid`), or as `Turn.spawn`."""
+        from . import keys  # keyed spawns only: an ordinary start does not import it
+
         return keys.spawn_keyed(self.backend, rec, argv, key, popen_kwargs)
 
     def check_limits(self, task_key: str, turn_key: str, usage: Usage | None = None,
@@ -296,10 +298,14 @@ class TurnControl:
 
     def freeze_turn(self, task_key: str, turn_key: str, by: str = "user") -> list[int]:
         """Freeze the turn (cgturn.freezing); the pids reached. Raises UnsafeOperation, NoSuchTurn."""
+        from . import freezing  # pause and the guard only
+
         return freezing.freeze_turn(self.backend, self.state_dir, task_key, turn_key, by)
 
     def thaw_turn(self, task_key: str, turn_key: str, by: str = "user") -> list[int]:
         """Thaw the turn (cgturn.freezing); the pids reached. Raises UnsafeOperation, NoSuchTurn."""
+        from . import freezing
+
         return freezing.thaw_turn(self.backend, self.state_dir, task_key, turn_key, by)
 
     def set_lease(self, task_key: str, turn_key: str, seconds: float | None) -> TurnRecord:

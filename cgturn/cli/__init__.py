@@ -4,16 +4,17 @@ code). Exceptions become exit codes in one table (`common.EXIT_CODES`).
 """
 from __future__ import annotations
 
+import importlib
 import sys
 
 from .. import __version__
-from . import common, doctor, end, guard, init, limits, metrics, pause, ps, reap, run, stop, watch
+from . import common
 
-COMMANDS = [doctor, run, ps, limits, stop, pause, end, reap, watch, metrics, guard, init]
-# command name -> the module that registers it (tests/test_cli.py checks it against the full parser)
-COMMAND_MODULES = {"doctor": doctor, "run": run, "ps": ps, "limits": limits, "stop": stop, "pause": pause,
-                   "resume": pause, "end": end, "reap": reap, "watch": watch, "metrics": metrics, "guard": guard,
-                   "init": init}
+# The subcommand modules (cgturn/cli/<name>.py), in the order `--help` lists them; imported only when
+# their parser is built, so a start imports the one module of its command.
+COMMANDS = ["doctor", "run", "ps", "limits", "stop", "pause", "end", "reap", "watch", "metrics", "guard", "init"]
+# command name -> the module that registers it (tests/test_fast_paths.py checks it against the full parser)
+COMMAND_MODULES = {**{name: name for name in COMMANDS}, "resume": "pause"}
 # The global options that take a value, as they may stand before the command.
 _VALUED_GLOBALS = ("--root", "--backend", "--state-dir")
 
@@ -26,8 +27,8 @@ def build_parser(only: str | None = None) -> common.Parser:
     common.add_global_options(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=common.Parser)
     sub.required = True
-    for module in COMMANDS if only is None else [COMMAND_MODULES[only]]:
-        module.register(sub)
+    for name in COMMANDS if only is None else [COMMAND_MODULES[only]]:
+        importlib.import_module(f"{__name__}.{name}").register(sub)
     for command in sub.choices.values():
         common.add_global_options(command, after_command=True)
     return parser
