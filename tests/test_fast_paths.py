@@ -63,6 +63,35 @@ def test_the_callers_ancestry_is_walked_without_its_own_or_pid_1s_stat(monkeypat
     assert len(read) == len(expected) - 1  # one stat read per ancestor but PID 1
 
 
+def test_an_abandon_reads_the_record_once_under_the_lock(cgroup2_manager, monkeypatch):
+    """The refusal is answered from the cgroup's member list: the only record read is the mark's."""
+    turn = cgroup2_manager.begin_turn("fast", "read-once")
+    proc = turn.spawn(["sleep", "300"])
+    assert wait_until(lambda: turn.pids() == [proc.pid])
+    meta = cgroup2_manager.backend.meta
+    loads: list[str] = []
+    real = meta.load
+    monkeypatch.setattr(meta, "load", lambda cg: loads.append(cg.path) or real(cg))
+    result = turn.abandon("test", grace=0)
+    proc.wait(timeout=BOUND)
+    assert result.killed == [proc.pid] and len(loads) == 1, loads
+
+
+def test_a_begin_makes_no_mkdir_of_a_root_it_has_seen_and_remakes_a_removed_one(cgroup2_manager, monkeypatch):
+    cgroup2_manager.begin_turn("fast", "first").complete()
+    root = cgroup2_manager.backend.location
+    made: list[str] = []
+    real = os.mkdir
+    monkeypatch.setattr(os, "mkdir", lambda path, *a, **k: made.append(os.fspath(path)) or real(path, *a, **k))
+    cgroup2_manager.begin_turn("fast", "second").complete()
+    assert root not in made and made, made
+    cgroup2_manager.remove_root()  # removed meanwhile: the next begin makes it again
+    assert not os.path.isdir(root)
+    turn = cgroup2_manager.begin_turn("fast", "third")
+    assert os.path.isdir(os.path.join(root, "fast")) and turn.state == "running"
+    turn.complete()
+
+
 def test_an_abandon_that_finds_the_turn_gone_skips_it(cgroup2_manager):
     """The mark reads the record under the lock (the abandon no longer reads it before): a turn removed
     meanwhile is skipped, as before."""
