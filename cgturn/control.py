@@ -16,7 +16,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import freezing, ids, keys, killing, leases, reasons
+from . import ids, killing, leases, reasons
 from .backends.base import Backend
 from .errors import AccessDenied, LockTimeout, NoSuchProcess, NoSuchTurn, RegistryUnavailable, UnsafeOperation
 from .events import Listeners, TurnEnded
@@ -157,10 +157,14 @@ class TurnControl:
 
     def _abandon_turn(self, task_key: str, turn_key: str, reason: str, grace: float, force: bool,
                       when: Callable[[TurnRecord], bool] | None) -> AbandonResult:
-        rec = self.backend.load(task_key, turn_key)
-        if rec is None:
-            return AbandonResult(skipped=True, reason=reason)
-        self.refuse_if_caller_inside(rec)
+        # The refusal comes before the mark, so a refused abandon changes nothing. Where the backend
+        # can answer from the names (a cgroup's member list) and the answer is no, the record is not
+        # read first: the mark reads it under the lock, and a turn that is gone is skipped there.
+        if self.backend.contains_caller_at(task_key, turn_key) is not False:
+            rec = self.backend.load(task_key, turn_key)
+            if rec is None:
+                return AbandonResult(skipped=True, reason=reason)
+            self.refuse_if_caller_inside(rec)
         allowed = _ABANDONABLE_FORCED if force else _ABANDONABLE
         updates = {"reason": reason, "ended_at": time.time(), "killer_pid": os.getpid(),
                    "killer_start": procfs.own_start_time()}
@@ -272,6 +276,8 @@ class TurnControl:
     def spawn_keyed(self, rec: TurnRecord, argv: Argv, key: str, popen_kwargs: dict[str, Any]) -> "subprocess.Popen[Any]":
         """Spawn into `rec`'s turn unless a live process of its task holds `key` (cgturn.keys).
         Raises AlreadyRunning (`.pid`), or as `Turn.spawn`."""
+        from . import keys  # keyed spawns only: an ordinary start does not import it
+
         return keys.spawn_keyed(self.backend, rec, argv, key, popen_kwargs)
 
     def check_limits(self, task_key: str, turn_key: str, usage: Usage | None = None,
@@ -292,10 +298,14 @@ class TurnControl:
 
     def freeze_turn(self, task_key: str, turn_key: str, by: str = "user") -> list[int]:
         """Freeze the turn (cgturn.freezing); the pids reached. Raises UnsafeOperation, NoSuchTurn."""
+        from . import freezing  # pause and the guard only
+
         return freezing.freeze_turn(self.backend, self.state_dir, task_key, turn_key, by)
 
     def thaw_turn(self, task_key: str, turn_key: str, by: str = "user") -> list[int]:
         """Thaw the turn (cgturn.freezing); the pids reached. Raises UnsafeOperation, NoSuchTurn."""
+        from . import freezing
+
         return freezing.thaw_turn(self.backend, self.state_dir, task_key, turn_key, by)
 
     def set_lease(self, task_key: str, turn_key: str, seconds: float | None) -> TurnRecord:

@@ -101,6 +101,5 @@ def decode(name: str) -> str | None:
 
 def new_turn_id() -> str:
     """A fresh turn id: sortable by creation time, unique without coordination."""
-    import secrets
-
-    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}-{secrets.token_hex(3)}"
+    # os.urandom is what secrets.token_hex reads; importing secrets would add hmac and hashlib.
+    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}-{os.urandom(3).hex()}"

@@ -7,7 +7,6 @@ still holds them, so a disconnect that lands after the reply kills nothing.
 """
 from __future__ import annotations
 
-import asyncio
 import threading
 from typing import Any, Protocol
 
@@ -109,6 +108,8 @@ async def aabandon_disconnected(run: Run, grace: float = 2.0) -> AbandonResult |
     Raises:
         UnsafeOperation: the turn contains the calling process.
     """
+    import asyncio  # here: a process that never awaits one does not import asyncio
+
     return await asyncio.to_thread(abandon_disconnected, run, grace)
 
 

@@ -27,8 +27,6 @@ outcome (cgturn.outcome), the run markers (cgturn.runs), the watcher of outside 
 # size: over the limit on purpose, a third of it docstrings: the race rules between completion, the watchdog, a stop and an outside abandon share one lock and one outcome and are read in one file.
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 import threading
 import time
@@ -165,6 +163,9 @@ class Supervisor:
             SentinelUnavailable: the manager's sentinel could not start (the worker never ran).
             RuntimeError: this supervisor already ran a worker.
         """
+        import asyncio  # here, not at the top: a blocking run (`cgturn run`) never pays for asyncio
+        import inspect
+
         loop = asyncio.get_running_loop()
         wake = Wake(loop)
         self._fired = wake.set_threadsafe
@@ -220,6 +221,8 @@ class Supervisor:
         return self._finish_run()
 
     async def _wrap_async(self, coro):
+        import asyncio
+
         try:
             result = await coro
         except asyncio.CancelledError:
@@ -459,6 +462,8 @@ class Supervisor:
         Raises:
             UnsafeOperation: the turn contains the calling process.
         """
+        import asyncio
+
         return await asyncio.to_thread(self.stop, reason, grace)
 
     def _interrupt(self, reason: str) -> None:

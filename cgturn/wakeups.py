@@ -2,9 +2,11 @@
 listener per manager that routes `turn_ended` events to this process's supervisors (`dispatcher`)."""
 from __future__ import annotations
 
-import asyncio
 import threading
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # an annotation only: importing this module must not import asyncio
+    import asyncio
 
 from . import reasons
 from .model import ABANDONED, AbandonResult

@@ -18,8 +18,10 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger("cgturn.supervisor")
 
@@ -60,7 +62,9 @@ class Watchdog:
     def submit(self, fn: Callable[..., object], *args: object) -> None:
         """Run `fn(*args)` in the kill pool (exceptions are logged)."""
         with self._cond:
-            if self._pool is None:
+            if self._pool is None:  # made at the first kill: a process that never kills never imports it
+                from concurrent.futures import ThreadPoolExecutor
+
                 self._pool = ThreadPoolExecutor(max_workers=KILL_THREADS, thread_name_prefix="cgturn-kill")
             pool = self._pool
         pool.submit(_logged, fn, *args)

@@ -12,6 +12,7 @@ Everything lives in one managed root `<cgroup2 mount>/cgturn-bench-<random>` (an
 directory), removed at the end, on errors and on Ctrl-C/SIGTERM. Run as root:
 
     python3 scripts/bench.py [--rounds 3] [--sizes 1,10,100,500,1000] [--quick]
+    python3 scripts/bench.py --abandon-only --sizes 1,10,100,500 --rounds 15   # the abandon rows alone
 
 The floors and the helpers the other benches share are in scripts/benchlib.py.
 """
@@ -117,20 +118,27 @@ def registry_manager(state_root: str) -> TurnManager:
     return TurnManager(backend="registry", state_dir=os.path.join(state_root, "registry"))
 
 
+def _load(before: float) -> str:
+    """The load average over the run, for the header: figures taken under load read higher."""
+    return f"load {before:.1f} before / {os.getloadavg()[0]:.1f} after"
+
+
 def abandon_rows(root_mgr: TurnManager, floor_dir: str, state_root: str, sizes: list[int],
-                 rounds: int) -> list[dict]:
+                 rounds: int, registry: bool = True) -> list[dict]:
     rows = []
     for n in sizes:
         got = {"floor": [], "cgroup2": [], "registry": [], "psutil dead": [], "psutil wait_procs": []}
         for _ in range(rounds):
             got["floor"].append(kernel_floor(floor_dir, n))
             got["cgroup2"].append(cgturn_abandon(root_mgr, n))
+            if not registry:  # --abandon-only: the floor and cgroup2 alone, back to back
+                continue
             with registry_manager(state_root) as reg:
                 got["registry"].append(cgturn_abandon(reg, n))
             dead, reaped = psutil_recipe(root_mgr, n)
             got["psutil dead"].append(dead)
             got["psutil wait_procs"].append(reaped)
-        rows.append({"n": n, **{k: ms(statistics.median(v)) for k, v in got.items()}})
+        rows.append({"n": n, **{k: ms(statistics.median(v)) for k, v in got.items() if v}})
         print(f"  abandon n={n} done", file=sys.stderr, flush=True)
     return rows
 
@@ -477,6 +485,16 @@ def per_turn_targets(per_turn: dict) -> None:
               f"+{per_turn[name] - per_turn[base]:.3f} ms (target <= +0.2 ms)")
 
 
+def print_abandon_targets(abandon) -> None:
+    print("\n## Against the targets\n")
+    for r in abandon:
+        target, text = abandon_target(r["n"], r["floor"])
+        if target is not None:
+            print(f"- abandon {r['n']}: cgroup2 {r['cgroup2']:.2f} ms, floor {r['floor']:.2f} ms: "
+                  f"{r['cgroup2'] - r['floor']:+.2f} ms, {r['cgroup2'] / r['floor']:.2f}x (target {text} = "
+                  f"{target:.2f} ms: {'met' if r['cgroup2'] <= target else 'NOT met'})")
+
+
 def print_table(abandon, escaped, spawn, churn_rates, per_turn, listing) -> None:
     print("\n## Abandon latency (median ms; tree of n processes; grace=0; same run, alternating)\n")
     print("(kernel floor: cgroup.kill, cgroup.events re-read until `populated 0`, rmdir, timed alone on the same "
@@ -515,13 +533,7 @@ def print_table(abandon, escaped, spawn, churn_rates, per_turn, listing) -> None
           f"| {listing['first']:.1f} | {listing.get('cli', float('nan')):.1f} |")
     if listing.get("cli_error"):
         print(f"\n(cgturn ps failed: {listing['cli_error']})")
-    print("\n## Against the targets\n")
-    for r in abandon:
-        target, text = abandon_target(r["n"], r["floor"])
-        if target is not None:
-            print(f"- abandon {r['n']}: cgroup2 {r['cgroup2']:.2f} ms, floor {r['floor']:.2f} ms: "
-                  f"{r['cgroup2'] - r['floor']:+.2f} ms, {r['cgroup2'] / r['floor']:.2f}x (target {text} = "
-                  f"{target:.2f} ms: {'met' if r['cgroup2'] <= target else 'NOT met'})")
+    print_abandon_targets(abandon)
     call, cycle = spawn["Turn.spawn cgroup2"]
     print(f"- spawn ({spawn_paths_available()[0]}): Turn.spawn cgroup2 = {call / base_call:.2f}x Popen at call "
           f"return (target <= 1.15x), {cycle / base_cycle:.2f}x start to exit (target <= 1.1x)")
@@ -547,6 +559,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true",
                     help="1 round, sizes 1,10,100, 50 spawns, 100 turns, 100 per-turn rounds")
     ap.add_argument("--per-turn-only", action="store_true", help="only the per-turn cost section")
+    ap.add_argument("--abandon-only", action="store_true",
+                    help="only the abandon rows (cgroup2 beside its kernel floor) and their targets")
     ap.add_argument("--spawn-only", action="store_true",
                     help="only the spawn section, printed as one JSON object (scripts/ab_spawn.py)")
     args = ap.parse_args()
@@ -557,6 +571,7 @@ def main() -> int:
     if root is None:
         return 1
     started = time.monotonic()
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as state:
         if args.spawn_only:
             try:
@@ -564,6 +579,20 @@ def main() -> int:
                     print(json.dumps(spawn_rows(mgr, state, args.spawns)))
             finally:
                 destroy(root)
+            return 0
+        if args.abandon_only:
+            try:
+                os.mkdir(root)
+                os.mkdir(os.path.join(root, "floor"))
+                with TurnManager(root=os.path.join(root, "main"), backend="cgroup2",
+                                 state_dir=os.path.join(state, "main")) as mgr:
+                    abandon = abandon_rows(mgr, os.path.join(root, "floor"), state, sizes, args.rounds, registry=False)
+            finally:
+                destroy(root)
+            print(f"cgturn abandon bench on {os.uname().release}, {os.cpu_count()} CPUs, Python "
+                  f"{sys.version.split()[0]}, rounds={args.rounds}, total {time.monotonic() - started:.0f} s, "
+                  f"{_load(load_before)}")
+            print_abandon_targets(abandon)
             return 0
         if args.per_turn_only:
             try:
@@ -574,7 +603,8 @@ def main() -> int:
             finally:
                 destroy(root)
             print(f"cgturn per-turn bench on {os.uname().release}, {os.cpu_count()} CPUs, Python "
-                  f"{sys.version.split()[0]}, {args.per_turn} rounds, total {time.monotonic() - started:.0f} s")
+                  f"{sys.version.split()[0]}, {args.per_turn} rounds, total {time.monotonic() - started:.0f} s, "
+                  f"{_load(load_before)}")
             print_per_turn(per_turn)
             bench_aio.print_results(async_turn, args.per_turn)
             print()
@@ -606,7 +636,7 @@ def main() -> int:
         finally:
             destroy(root)
     print(f"cgturn bench on {os.uname().release}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
-          f"rounds={args.rounds}, total {time.monotonic() - started:.0f} s")
+          f"rounds={args.rounds}, total {time.monotonic() - started:.0f} s, {_load(load_before)}")
     print_table(abandon, escaped, spawn, churn_rates, per_turn, listing)
     bench_aio.print_results(async_turn, args.per_turn)
     print()

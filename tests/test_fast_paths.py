@@ -43,6 +43,102 @@ def test_an_abandon_reads_the_callers_ancestry_once(cgroup2_manager, monkeypatch
     assert result.killed == [proc.pid] and reads == [os.getpid()]
 
 
+def test_the_callers_ancestry_is_walked_without_its_own_or_pid_1s_stat(monkeypatch):
+    """getppid(2) gives the first step and PID 1 ends the walk: neither /proc/self/stat nor
+    /proc/1/stat is read, and the answer is the full walk's."""
+    def full_walk(pid: int) -> set[int]:
+        out: set[int] = set()
+        while (ppid := procfs.HOST.stat(pid).ppid) > 0:
+            out.add(ppid)
+            pid = ppid
+        return out
+
+    expected = full_walk(os.getpid())
+    read: list[str] = []
+    real = procfs.ProcFS.read
+    monkeypatch.setattr(procfs.ProcFS, "read", lambda self, pid, what, whole=False:
+                        read.append(f"{pid}/{what}") or real(self, pid, what, whole))
+    assert procfs.ancestors(os.getpid()) == expected and 1 in expected
+    assert f"{os.getpid()}/stat" not in read and "1/stat" not in read
+    assert len(read) == len(expected) - 1  # one stat read per ancestor but PID 1
+
+
+def test_an_abandon_reads_the_record_once_under_the_lock(cgroup2_manager, monkeypatch):
+    """The refusal is answered from the cgroup's member list: the only record read is the mark's."""
+    turn = cgroup2_manager.begin_turn("fast", "read-once")
+    proc = turn.spawn(["sleep", "300"])
+    assert wait_until(lambda: turn.pids() == [proc.pid])
+    meta = cgroup2_manager.backend.meta
+    loads: list[str] = []
+    real = meta.load
+    monkeypatch.setattr(meta, "load", lambda cg: loads.append(cg.path) or real(cg))
+    result = turn.abandon("test", grace=0)
+    proc.wait(timeout=BOUND)
+    assert result.killed == [proc.pid] and len(loads) == 1, loads
+
+
+def test_a_begin_makes_no_mkdir_of_a_root_it_has_seen_and_remakes_a_removed_one(cgroup2_manager, monkeypatch):
+    cgroup2_manager.begin_turn("fast", "first").complete()
+    root = cgroup2_manager.backend.location
+    made: list[str] = []
+    real = os.mkdir
+    monkeypatch.setattr(os, "mkdir", lambda path, *a, **k: made.append(os.fspath(path)) or real(path, *a, **k))
+    cgroup2_manager.begin_turn("fast", "second").complete()
+    assert root not in made and made, made
+    cgroup2_manager.remove_root()  # removed meanwhile: the next begin makes it again
+    assert not os.path.isdir(root)
+    turn = cgroup2_manager.begin_turn("fast", "third")
+    assert os.path.isdir(os.path.join(root, "fast")) and turn.state == "running"
+    turn.complete()
+
+
+def test_an_abandon_that_finds_the_turn_gone_skips_it(cgroup2_manager):
+    """The mark reads the record under the lock (the abandon no longer reads it before): a turn removed
+    meanwhile is skipped, as before."""
+    turn = cgroup2_manager.begin_turn("fast", "gone")
+    other = TurnManager(root=cgroup2_manager.backend.location, backend="cgroup2", state_dir=cgroup2_manager.state_dir)
+    try:
+        other.turn("fast", "gone").complete()
+    finally:
+        other.close()
+    assert turn.abandon("test", grace=0).skipped
+
+
+def test_cgturn_run_imports_neither_asyncio_nor_the_stdlibs_heavy_helpers(cgroup2_root, state_dir):
+    """A blocking supervisor needs no event loop, a program is looked up without shutil, a turn id
+    drawn without secrets (hmac, hashlib): `cgturn run` imports none of them."""
+    code = textwrap.dedent("""
+        import sys
+        before = set(sys.modules)  # what the interpreter's own start imported (site may import shutil)
+        from cgturn.cli import main
+        status = main(sys.argv[1:])
+        print(sorted(m for m in ("asyncio", "shutil", "secrets", "hmac", "concurrent.futures") if m in sys.modules and m not in before))
+        sys.exit(status)
+    """)
+    out = subprocess.run([PY, "-c", code, "--root", cgroup2_root, "--state-dir", state_dir, "run", "--", "true"],
+                         capture_output=True, text=True, env=cgturn_env(), timeout=60)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+
+
+def test_a_program_is_found_on_path_as_shutil_which_finds_it(tmp_path):
+    import shutil
+
+    from cgturn.backends.base import resolve_program
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "tool").write_text("")  # not executable: skipped
+    (tmp_path / "a" / "dir").mkdir()  # a directory: skipped
+    for name in ("tool", "dir"):
+        (tmp_path / "b" / name).write_text("#!/bin/sh\n")
+        (tmp_path / "b" / name).chmod(0o755)
+    path = os.pathsep.join([str(tmp_path / "a"), str(tmp_path / "b"), "/usr/bin"])
+    for program in ("tool", "dir", "true"):
+        assert resolve_program(program, path) == shutil.which(program, path=path), program
+    with pytest.raises(FileNotFoundError):
+        resolve_program("no-such-program-here", path)
+
+
 def test_a_turn_holding_the_caller_is_still_refused(cgroup2_manager):
     turn = cgroup2_manager.begin_turn("fast", "me")
     turn.enter()
@@ -166,3 +262,43 @@ def test_ps_json_is_one_array_with_a_turn_per_line(cgroup2_manager, cgroup2_root
     for turn in turns:
         turn.complete()
     assert cli(cgroup2_root, state_dir, "ps", "--json").stdout == "[]\n"
+
+
+def _subparsers(parser):
+    import argparse
+
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_a_parser_of_one_command_parses_and_helps_as_the_full_one(monkeypatch):
+    """`cgturn run ...` builds run's subparser alone: the map of commands names every command of the
+    full parser, and each one's subparser alone reads and explains the same options."""
+    from cgturn import cli
+
+    monkeypatch.setenv("COLUMNS", "100")
+    full = _subparsers(cli.build_parser())
+    assert set(full) == set(cli.COMMAND_MODULES)
+    for name in full:
+        alone = _subparsers(cli.build_parser(name))
+        assert list(alone) == [name] or set(alone) == {"pause", "resume"}, name
+        assert alone[name].format_help() == full[name].format_help(), name
+
+
+def test_the_command_is_found_only_behind_global_options():
+    from cgturn.cli import command_named
+
+    assert command_named(["run", "--", "ps"]) == "run"
+    assert command_named(["--root", "/r", "--state-dir=/s", "--backend", "cgroup2", "ps", "--json"]) == "ps"
+    assert command_named(["--root", "ps", "run"]) == "run"  # `ps` is --root's value here
+    for argv in (["--help"], ["--version"], [], ["--ro", "/r", "ps"], ["rnu"], ["-h", "run"]):
+        assert command_named(argv) is None, argv  # the full parser reads these
+
+
+def test_the_help_width_is_shutils(monkeypatch):
+    import shutil
+
+    from cgturn.cli.common import terminal_columns
+
+    for columns in ("123", "", "junk", "-4"):
+        monkeypatch.setenv("COLUMNS", columns)
+        assert terminal_columns() == shutil.get_terminal_size().columns, columns

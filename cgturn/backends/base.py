@@ -118,6 +118,12 @@ class Backend(abc.ABC):
         """True if the calling process is one of the turn's processes (killing it is refused)."""
 
     @abc.abstractmethod
+    def contains_caller_at(self, task_key: str, turn_key: str) -> bool | None:
+        """`contains_caller` of the turn at these encoded names, asked without its record; None when
+        this backend needs the record to answer. An abandon that gets False marks the turn without
+        reading its record first (the mark reads it under the lock anyway)."""
+
+    @abc.abstractmethod
     def turn_of(self, pid: int) -> tuple[str, str] | None:
         """(scope, task_key) of the cgturn turn process `pid` belongs to, as far as this backend can
         tell (its own turns, and another manager's by its marks); None when it is in none."""
@@ -279,9 +285,10 @@ def resolve_program(program: str, path: str, cwd=None) -> str:
         if os.path.isdir(candidate) or not os.access(candidate, os.X_OK):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), program)
         return candidate
-    import shutil
-
-    found = shutil.which(program, path=path)
-    if found is None:
-        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
-    return found
+    # shutil.which's own test, without importing shutil (and the compressors it imports) at every
+    # `cgturn run`: the first entry of `path` holding an executable file of that name.
+    for directory in dict.fromkeys(path.split(os.pathsep)):
+        candidate = os.path.join(directory, program)
+        if os.path.exists(candidate) and os.access(candidate, os.X_OK) and not os.path.isdir(candidate):
+            return candidate
+    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)

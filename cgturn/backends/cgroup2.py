@@ -159,11 +159,10 @@ class Cgroup2Backend(Backend):
             self.isolation.keep(record, netns)
 
     def _create_turn(self, record: TurnRecord, limits: Limits) -> None:
-        self.ensure_root()
         task = self.root.child(record.task_key)
         cg = task.child(record.turn_key)
         for _ in range(20):  # a concurrent remove_task may rmdir the task between our two mkdirs
-            new_task = task.create()
+            new_task = self._create_task(task)
             if new_task:
                 self.layout.enable_v2(task)
             else:
@@ -191,6 +190,21 @@ class Cgroup2Backend(Backend):
                 raise
             return
         raise TurnExists(f"could not create turn {record.turn_id!r}: its task directory keeps vanishing")
+
+    def _create_task(self, task: Cgroup) -> bool:
+        """mkdir the task directory (True) unless it exists (False). The managed root is made first
+        only until this backend has seen it: after that a begin costs no mkdir of the root, and a
+        root removed meanwhile (remove_root, `cgturn reap` elsewhere) shows as ENOENT and is made again."""
+        if not self._layout_recorded:
+            self.ensure_root()
+        try:
+            task.make()
+            return True
+        except FileExistsError:
+            return False
+        except FileNotFoundError:
+            self.ensure_root()
+            return task.create()
 
     def _remove_if_empty(self, task: Cgroup, task_key: str) -> None:
         """Remove a task directory and its v1 directories that hold no turn (a failed first turn's),
@@ -315,7 +329,11 @@ class Cgroup2Backend(Backend):
     def contains_caller(self, record) -> bool:
         """True when the turn holds the caller, one of its ancestors or PID 1: what the killer refuses
         to kill, asked before an abandon marks the turn, so a refused abandon changes nothing."""
-        return self.killer.protected_inside(self._cg(record)) is not None
+        return self.contains_caller_at(record.task_key, record.turn_key)
+
+    def contains_caller_at(self, task_key: str, turn_key: str) -> bool:
+        """The cgroup's member list answers (`contains_caller`); a turn that is gone holds nobody."""
+        return self.killer.protected_inside(self.turn_cgroup(task_key, turn_key)) is not None
 
     def wait_empty(self, record, timeout) -> bool:
         return self._cg(record).wait_unpopulated(timeout)

@@ -290,6 +290,9 @@ class RegistryBackend(Backend):
         # from), but never from PID 1, whose descendants are everything.
         return (me, mine) in self._collect(record, Snapshot(self.scope), protected={1})
 
+    def contains_caller_at(self, task_key, turn_key) -> None:
+        return None  # the recorded members answer: the record is needed
+
     # --- killing ----------------------------------------------------------------------------------
 
     def _expect_orphans(self, killed) -> None:

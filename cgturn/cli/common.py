@@ -35,6 +35,28 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # noqa: D102 - argparse API
         raise UsageError(message)
 
+    def _get_formatter(self):
+        # argparse makes a formatter at every add_argument (its metavar check) and each one asks
+        # shutil.get_terminal_size for the width: an import of shutil (bz2, lzma) at every start.
+        # The same width, read without it.
+        # (typeshed's formatter protocol names `prog` only; every argparse.HelpFormatter takes `width`)
+        return self.formatter_class(prog=self.prog, width=terminal_columns() - 2)  # type: ignore[call-arg]
+
+
+def terminal_columns() -> int:
+    """shutil.get_terminal_size().columns, as argparse's help formatter reads it: $COLUMNS, else the
+    terminal on stdout, else 80."""
+    try:
+        columns = int(os.environ.get("COLUMNS", "0"))
+    except ValueError:
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            columns = 0
+    return columns or 80
+
 
 def add_global_options(parser: argparse.ArgumentParser, after_command: bool = False) -> None:
     """--root, --backend, --state-dir. `after_command`: the copy each subcommand accepts too

@@ -292,13 +292,27 @@ def is_kernel_thread(st: ProcStat) -> bool:
 
 
 def ancestors(pid: int, proc: ProcFS = HOST) -> set[int]:
-    """`pid`'s ancestors up to PID 1 (inclusive), following ppid links."""
+    """`pid`'s ancestors up to PID 1 (inclusive), following ppid links.
+
+    The walk reads no /proc file it can do without: the caller's own parent is getppid(2), and PID 1
+    ends the walk unread (its ppid is 0 in every pid namespace: it has no parent there). Most
+    services run with PID 1 or a supervisor near it as their parent, so an abandon's check reads one
+    or two stat files instead of one per level plus PID 1's.
+    """
     out: set[int] = set()
-    st = _stat_or_none(pid, proc)
-    while st is not None and st.ppid > 0 and st.ppid not in out:
-        out.add(st.ppid)
-        st = _stat_or_none(st.ppid, proc)
+    ppid = os.getppid() if proc is HOST and pid == os.getpid() else _ppid_or_zero(pid, proc)
+    while ppid > 0 and ppid not in out:
+        out.add(ppid)
+        if ppid == 1:
+            break
+        ppid = _ppid_or_zero(ppid, proc)
     return out
+
+
+def _ppid_or_zero(pid: int, proc: ProcFS) -> int:
+    """The parent of `pid`; 0 when it is gone or cannot be read (the walk ends there)."""
+    st = _stat_or_none(pid, proc)
+    return 0 if st is None else st.ppid
 
 
 class Protected:
