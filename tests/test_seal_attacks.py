@@ -162,8 +162,9 @@ def finish(turn, proc) -> list[int]:
 
 
 def sandboxed_target(turn, program: str = PY, timeout: float = 10.0) -> int:
-    """The host pid of the target of a sealed spawn, once it runs `program` (bubblewrap and its init,
-    members of the turn too, run bwrap)."""
+    """The host pid of the target of a sealed spawn, once it runs `program` (the sandbox's init, a
+    member of the turn too, is PID 1 of the namespace: bubblewrap, or a copy of the caller, whose
+    cmdline is the caller's)."""
     found: list[int] = []
 
     def look() -> bool:
@@ -171,9 +172,10 @@ def sandboxed_target(turn, program: str = PY, timeout: float = 10.0) -> int:
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     argv0 = f.read().split(b"\0")[0].decode()
+                init = ns_pids(pid)[-1] == 1
             except OSError:
                 continue
-            if argv0 == program:
+            if argv0 == program and not init:
                 found.append(pid)
                 return True
         return False

@@ -48,9 +48,32 @@ def _private(path: str) -> bool:
     return any(path == top or path.startswith(top + "/") for top in ("/tmp", "/run"))
 
 
+def _binds(writable: list[str], cwd) -> list[tuple[str, bool]]:
+    """(path, writable) of every path a sealed spawn binds onto itself, in the order they are bound."""
+    binds = []
+    resolv = _resolv_conf_under_run()
+    if resolv is not None:  # systemd-resolved's stub: DNS keeps working with a private /run
+        binds.append((resolv, False))
+    base = os.path.abspath(os.fsdecode(cwd)) if cwd is not None else os.getcwd()
+    if _private(base) and not any(base == p or base.startswith(p + "/") for p in writable):
+        # the working directory exists in the sandbox, read-only; bound first: binds go in order,
+        # and a writable path below it must come on top
+        binds.append((base, False))
+    binds += [(path, True) for path in writable]
+    return binds
+
+
+def _caps(identity: Identity | None) -> tuple[str, ...]:
+    if identity is None:
+        return KEPT_CAPS
+    if identity.uid == 0:
+        raise ValueError("a sealed spawn cannot keep uid 0 and switch groups: give user= a non-root user")
+    return KEPT_CAPS + ID_CAPS
+
+
 def command(writable: list[str], cwd, identity: Identity | None, filter_fd: int) -> list[str]:
-    """The helper command (without the target) that seals the spawn; `filter_fd` is an inherited fd
-    holding seal_filter.program(), which bubblewrap reads.
+    """The bubblewrap helper command (without the target) that seals the spawn; `filter_fd` is an
+    inherited fd holding seal_filter.program(), which bubblewrap reads.
 
     Raises:
         IsolationUnavailable: bubblewrap (or, for `identity`, setpriv) is not installed.
@@ -59,21 +82,9 @@ def command(writable: list[str], cwd, identity: Identity | None, filter_fd: int)
     args = [helper(BWRAP, "bubblewrap"), "--unshare-pid", "--unshare-cgroup", "--unshare-ipc",
             "--ro-bind", "/", "/", "--proc", sandbox.PROC, *PROC_READ_ONLY,
             "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
-    resolv = _resolv_conf_under_run()
-    if resolv is not None:  # systemd-resolved's stub: DNS keeps working with a private /run
-        args += ["--ro-bind", resolv, resolv]
-    base = os.path.abspath(os.fsdecode(cwd)) if cwd is not None else os.getcwd()
-    if _private(base) and not any(base == p or base.startswith(p + "/") for p in writable):
-        # the working directory exists in the sandbox, read-only; bound first: bubblewrap binds in order,
-        # and a writable path below it must come on top
-        args += ["--ro-bind", base, base]
-    for path in writable:
-        args += ["--bind", path, path]
-    caps: tuple[str, ...] = KEPT_CAPS
-    if identity is not None:
-        if identity.uid == 0:
-            raise ValueError("a sealed spawn cannot keep uid 0 and switch groups: give user= a non-root user")
-        caps = caps + ID_CAPS
+    for path, rw in _binds(writable, cwd):
+        args += ["--bind" if rw else "--ro-bind", path, path]
+    caps = _caps(identity)
     args += ["--cap-drop", "ALL"]
     for cap in caps:
         args += ["--cap-add", cap]
@@ -81,6 +92,64 @@ def command(writable: list[str], cwd, identity: Identity | None, filter_fd: int)
     if identity is not None:
         args += [helper(SETPRIV), *identity.setpriv_args(), "--"]
     return args
+
+
+# capabilities(7) numbers (linux/capability.h) of KEPT_CAPS and ID_CAPS, for the native sandbox.
+CAP_NUMBERS = {"CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_FOWNER": 3, "CAP_FSETID": 4, "CAP_SETGID": 6,
+               "CAP_SETUID": 7, "CAP_NET_BIND_SERVICE": 10}
+# Bound in the extension's PID 1 as bwrap's --dev binds them (see _spawn.c, seal_enter), with the
+# remaining steps of command(): the C sandbox takes the same list, in the same order.
+_BIND_WRITABLE, _BIND_DIR = 1, 2
+
+
+def native(writable, cwd, identity: Identity | None, netns_fd: int = -1) -> tuple[tuple, list[str]]:
+    """The native sandbox of a sealed spawn: the `seal=` tuple the C extension builds it from (its
+    child does what command() asks bubblewrap to, see _spawn.c) and the helper command that still
+    runs before the target (setpriv for `identity`, else []).
+
+    Args:
+        writable: as Turn.spawn's writable= (None: the working directory).
+        cwd: the spawn's working directory (None: this process's).
+        identity: the user= target's ids, or None.
+        netns_fd: an fd of the turn's network namespace, entered before the target forks; -1: none.
+
+    Raises:
+        ValueError: a refused writable path, or an identity that keeps uid 0.
+        IsolationUnavailable: setpriv is not installed (for `identity`).
+    """
+    paths = writable_paths(writable, cwd)
+    binds = tuple((os.fsencode(path), (_BIND_WRITABLE if rw else 0) | (_BIND_DIR if os.path.isdir(path) else 0))
+                  for path, rw in _binds(paths, cwd))
+    base = os.path.abspath(os.fsdecode(cwd)) if cwd is not None else os.getcwd()
+    mask = 0
+    for cap in _caps(identity):
+        mask |= 1 << CAP_NUMBERS[cap]
+    spec = (binds, _PROC_HOST_STATE, os.fsencode(base), _program(), mask, sandbox.last_capability(), netns_fd)
+    prefix = [helper(SETPRIV), *identity.setpriv_args(), "--"] if identity is not None else []
+    return spec, prefix
+
+
+_PROC_HOST_STATE = tuple(os.fsencode(path) for path in sandbox.PROC_HOST_STATE)
+
+
+@functools.lru_cache(maxsize=1)
+def native_works() -> bool:
+    """Whether the C extension can build the sandbox here (tried once per process around /bin/true,
+    outside any cgroup): it needs the extension, root's CAP_SYS_ADMIN and Linux 5.12+ (mount_setattr);
+    where not, sealed spawns exec bubblewrap."""
+    import subprocess
+
+    from ..kernel import spawn as kspawn
+
+    if not kspawn.clone3_built():
+        return False
+    try:
+        spec, _ = native(None, "/", None)
+        probe = kspawn.CgroupPopen(["/bin/true"], cgroup=-1, seal=spec, stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/")
+    except (OSError, ValueError):
+        return False
+    return probe.wait() == 0
 
 
 def filter_fd() -> int:
@@ -122,6 +191,7 @@ def check() -> None:
         os.close(fd)
     if probe.returncode != 0:
         raise IsolationUnavailable(f"bubblewrap could not seal a process here: {probe.stderr.strip()}")
+    native_works()  # decided here too, so that no spawn pays for the probe
 
 
 def steps(writable, cwd, identity: Identity | None) -> tuple[list[str], int]:
