@@ -222,17 +222,16 @@ static void reset_signal_handlers(void)
 /* --- the seal (issue 21): a sealed turn's sandbox, built by the child itself ---------------------
  *
  * What bubblewrap builds for a sealed spawn (backends/seal.py), without exec'ing it: the child is
- * cloned (without CLONE_VM: it outlives the call) into the turn's cgroup and into new PID, mount and
- * IPC namespaces, so it is PID 1 there. It makes its mounts private (MS_SLAVE, as bwrap), clones the
+ * cloned into the turn's cgroup and into new PID, mount and IPC namespaces, so it is PID 1 there. It makes its mounts private (MS_SLAVE, as bwrap), clones the
  * paths it binds back and the device nodes it keeps while they are still the host's (open_tree), makes
  * the whole tree read-only, nosuid and nodev in ONE call (mount_setattr AT_RECURSIVE, Linux 5.12:
  * bwrap remounts every submount one by one), mounts a fresh /proc with its host-state files bound
  * read-only, a minimal /dev (tmpfs, the six nodes bwrap keeps, a new devpts), private /tmp and /run,
  * moves the binds in, enters the turn's network namespace and a cgroup namespace rooted at the turn,
- * and forks the target (PID 2), which drops to the kept capabilities, sets no_new_privs and installs
- * the syscall filter just before it execs. PID 1 stays as the namespace's init (seal_init): it
- * reaps, and exits with the target's status (128+N for a signal N, as bwrap's: an init cannot die
- * of a signal it sends itself).
+ * and starts the target (PID 2, CLONE_VFORK), which drops to the kept capabilities, sets
+ * no_new_privs and installs the syscall filter just before it execs; then PID 1 drops every
+ * capability and execs the namespace's init (SEAL_INIT_ELF). Like the unsealed child, it runs in
+ * the caller's memory (CLONE_VM | CLONE_VFORK) until that exec.
  * Only raw system calls and async-signal-safe libc calls, as the rest of the child. */
 #define SEAL_MAX_BINDS 32
 #define SEAL_MAX_PROC_RO 8
@@ -251,8 +250,10 @@ struct seal {
     int last_cap;
     int netns_fd;                           /* -1: the caller's network */
     void *target_stack;                     /* the target's until it execs (CHILD_STACK_SIZE) */
+    int init_fd;                            /* a memfd holding SEAL_INIT_ELF */
 };
 static int child_exec(void *arg);
+static int seal_drop(const struct seal *s, uint64_t caps);
 static long clone3_call(struct clone_args_v2 *args, int (*fn)(void *), void *arg);
 
 #ifndef SYS_open_tree
@@ -317,27 +318,49 @@ static void seal_mountpoint(const char *path, int dir)
     }
 }
 
-/* The namespace's init: reap, and exit with the target's status; never returns. Every signal stays
- * blocked and is taken here and dropped, none forwarded: whatever signals a turn reaches every member by
- * its host pid (abandon, a terminal's process group), the target included, so a forwarded copy would
- * be a second SIGTERM or SIGINT (which many programs take as "stop now"). A SIGKILL, which cannot be
- * blocked, ends the init and the kernel then kills the whole namespace (Popen.kill() works). */
-static void seal_init(pid_t target)
-{
-    sigset_t all;
-    sigfillset(&all);
-    syscall(SYS_rt_sigprocmask, SIG_SETMASK, &all, NULL, (size_t)(_NSIG / 8));
-    close_range_or_loop(0, INT_MAX);
-    for (;;) {
-        if ((int)syscall(SYS_rt_sigtimedwait, &all, NULL, NULL, (size_t)(_NSIG / 8)) != SIGCHLD)
-            continue;
-        int status;
-        pid_t pid;
-        while ((pid = waitpid(-1, &status, WNOHANG)) > 0)
-            if (pid == target)
-                syscall(SYS_exit_group, WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
-    }
-}
+/* The namespace's init, exec'd by PID 1 once the target has exec'd: scripts/seal_init/seal_init.c
+ * built static without libc (scripts/seal_init/build.py prints this array). It reaps every child,
+ * exits with PID 2's status (128+N for a signal N, as bwrap's init: an init cannot die of a signal
+ * it sends itself) and drops every signal, forwarding none (the source says why). Exec'd from a
+ * sealed memfd made once per process (seal_init_memfd), so it needs no file on disk and holds no copy
+ * of the caller's memory. */
+static const unsigned char SEAL_INIT_ELF[] = {
+    0x7f, 0x45, 0x4c, 0x46, 0x02, 0x01, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x02, 0x00, 0x3e, 0x00, 0x01, 0x00, 0x00, 0x00, 0xb0, 0x00, 0x40, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x40, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x70, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, 0x40, 0x00, 0x38, 0x00, 0x02, 0x00, 0x40, 0x00, 0x03, 0x00, 0x02, 0x00,
+    0x01, 0x00, 0x00, 0x00, 0x05, 0x00, 0x00, 0x00, 0xb0, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0xb0, 0x00, 0x40, 0x00, 0x00, 0x00, 0x00, 0x00, 0xb0, 0x00, 0x40, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0xaa, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0xaa, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x51, 0xe5, 0x74, 0x64, 0x06, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x10, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x41, 0x56, 0x41, 0xba, 0x08, 0x00, 0x00, 0x00, 0xb8, 0x0e, 0x00, 0x00, 0x00, 0x31, 0xd2, 0x41,
+    0x55, 0xbf, 0x02, 0x00, 0x00, 0x00, 0x41, 0x54, 0x55, 0x53, 0x48, 0xc7, 0x44, 0x24, 0xf8, 0xff,
+    0xff, 0xff, 0xff, 0x4c, 0x8d, 0x44, 0x24, 0xf8, 0x4c, 0x89, 0xc6, 0x0f, 0x05, 0xbb, 0x3d, 0x00,
+    0x00, 0x00, 0x4c, 0x8d, 0x4c, 0x24, 0xf4, 0x48, 0x83, 0xcd, 0xff, 0x41, 0xbc, 0x01, 0x00, 0x00,
+    0x00, 0x41, 0xbd, 0x80, 0x00, 0x00, 0x00, 0x41, 0xbe, 0xe7, 0x00, 0x00, 0x00, 0x45, 0x31, 0xd2,
+    0x48, 0x89, 0xd8, 0x48, 0x89, 0xef, 0x4c, 0x89, 0xce, 0x4c, 0x89, 0xe2, 0x0f, 0x05, 0x48, 0x85,
+    0xc0, 0x7e, 0x2c, 0x48, 0x83, 0xf8, 0x02, 0x75, 0xe4, 0x8b, 0x44, 0x24, 0xf4, 0x89, 0xc2, 0x83,
+    0xe2, 0x7f, 0x8d, 0xba, 0x80, 0x00, 0x00, 0x00, 0x75, 0x03, 0x0f, 0xb6, 0xfc, 0x31, 0xd2, 0x48,
+    0x63, 0xff, 0x45, 0x31, 0xd2, 0x4c, 0x89, 0xf0, 0x48, 0x89, 0xd6, 0x0f, 0x05, 0xeb, 0xbe, 0x31,
+    0xd2, 0x41, 0xba, 0x08, 0x00, 0x00, 0x00, 0x4c, 0x89, 0xe8, 0x4c, 0x89, 0xc7, 0x48, 0x89, 0xd6,
+    0x0f, 0x05, 0x48, 0x83, 0xf8, 0x11, 0x75, 0xe9, 0xeb, 0xa3, 0x00, 0x2e, 0x73, 0x68, 0x73, 0x74,
+    0x72, 0x74, 0x61, 0x62, 0x00, 0x2e, 0x74, 0x65, 0x78, 0x74, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x0b, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x06, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0xb0, 0x00, 0x40, 0x00, 0x00, 0x00, 0x00, 0x00, 0xb0, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0xaa, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x01, 0x00, 0x00, 0x00, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x5a, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x11, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+};
 
 #define SEAL_FAIL(stage) do { report(c, errno, stage); goto fail; } while (0)
 
@@ -429,8 +452,13 @@ static int seal_enter(const struct child *c)
     for (i = 0; i < SEAL_N_DEV; i++)
         if (dev_fd[i] >= 0)
             close(dev_fd[i]);
-    /* The target shares this copy's memory until it execs (CLONE_VFORK, as the unsealed spawn
-     * shares the caller's): one copy of the caller's address space per sealed spawn, not two. */
+    /* SIGCHLD at its default (not ignored: the kernel would reap for the init), set before the target
+     * exists: setting it discards a pending SIGCHLD (sigaction(2)). */
+    struct sigaction dfl;
+    memset(&dfl, 0, sizeof dfl);
+    dfl.sa_handler = SIG_DFL;
+    sigaction(SIGCHLD, &dfl, NULL);
+    /* The target, PID 2, shares this memory (the caller's) until it execs, as this child does. */
     struct clone_args_v2 cl;
     memset(&cl, 0, sizeof cl);
     cl.flags = CLONE_VM | CLONE_VFORK;
@@ -442,21 +470,29 @@ static int seal_enter(const struct child *c)
         errno = (int)-target;
         SEAL_FAIL("noexec");
     }
-    syscall(SYS_prctl, PR_SET_NAME, "cgturn-init", 0, 0, 0);  /* its cmdline stays the caller's (a copy) */
-    seal_init((pid_t)target);
+    /* Then this child becomes the init: nothing kept (no capability, no fd but the init's own,
+     * no_new_privs and the filter as the target has them); the exec releases the caller (CLONE_VFORK). */
+    if (seal_drop(s, 0) != 0)
+        SEAL_FAIL("noexec");
+    if (s->init_fd > 0)
+        close_range_or_loop(0, s->init_fd - 1);
+    close_range_or_loop(s->init_fd + 1, INT_MAX);
+    static char *const init_argv[] = {"cgturn-init", NULL}, *const init_envp[] = {NULL};
+    syscall(SYS_execveat, s->init_fd, "", init_argv, init_envp, SEAL_AT_EMPTY_PATH);
+    syscall(SYS_exit_group, 255);  /* the caller's report pipe is closed: the target's namespace dies with us */
 fail:
     return -1;
 }
 
-/* In the target just before it execs: the capability set, no_new_privs, the filter. */
-static int seal_lock(const struct child *c)
+/* The capability set `caps` (bounding, permitted, effective, inheritable and ambient), no_new_privs
+ * and the filter: the target's just before it execs (caps: the kept set), the init's (none). */
+static int seal_drop(const struct seal *s, uint64_t caps)
 {
-    const struct seal *s = c->seal;
     for (int cap = 0; cap <= s->last_cap; cap++)
-        if (!((s->caps >> cap) & 1) && syscall(SYS_prctl, PR_CAPBSET_DROP, cap, 0, 0, 0) != 0)
+        if (!((caps >> cap) & 1) && syscall(SYS_prctl, PR_CAPBSET_DROP, cap, 0, 0, 0) != 0)
             return -1;
     struct { uint32_t version; int pid; } header = {0x20080522, 0};  /* _LINUX_CAPABILITY_VERSION_3 */
-    uint32_t lo = (uint32_t)s->caps, hi = (uint32_t)(s->caps >> 32);
+    uint32_t lo = (uint32_t)caps, hi = (uint32_t)(caps >> 32);
     struct { uint32_t effective, permitted, inheritable; } data[2] = {{lo, lo, lo}, {hi, hi, hi}};
     if (syscall(SYS_capset, &header, data) != 0)
         return -1;
@@ -464,7 +500,7 @@ static int seal_lock(const struct child *c)
     if (syscall(SYS_prctl, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0)
         return -1;
     for (int cap = 0; cap <= s->last_cap && cap < 64; cap++)
-        if (((s->caps >> cap) & 1) && syscall(SYS_prctl, PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0) != 0)
+        if (((caps >> cap) & 1) && syscall(SYS_prctl, PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0) != 0)
             return -1;
     if (syscall(SYS_prctl, PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
         return -1;
@@ -531,7 +567,7 @@ static int child_exec(void *arg)
     if (c->process_group >= 0 && setpgid(0, c->process_group) != 0) FAIL("noexec");
     if (c->close_fds)
         close_all_but(c);
-    if (c->seal && seal_lock(c) != 0)
+    if (c->seal && seal_drop(c->seal, c->seal->caps) != 0)
         FAIL("noexec");
     sigprocmask(SIG_SETMASK, &c->mask, NULL);
 
@@ -1000,6 +1036,43 @@ static int parse_seal(PyObject *obj, struct seal *s)
     return 1;
 }
 
+/* The memfd the sandbox's PID 1 execs the init from (SEAL_INIT_ELF): made once per process, sealed
+ * against any change, close-on-exec. -1 with a Python error set on failure. */
+static int seal_init_fd = -1;
+
+static int seal_init_memfd(void)
+{
+    if (seal_init_fd >= 0)
+        return seal_init_fd;
+    /* MFD_CLOEXEC | MFD_ALLOW_SEALING, and MFD_EXEC (Linux 6.3: where vm.memfd_noexec asks for it) */
+    int fd = (int)syscall(SYS_memfd_create, "cgturn-init", 0x1U | 0x2U | 0x10U);
+    if (fd < 0 && errno == EINVAL)
+        fd = (int)syscall(SYS_memfd_create, "cgturn-init", 0x1U | 0x2U);
+    if (fd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    size_t done = 0;
+    while (done < sizeof SEAL_INIT_ELF) {
+        ssize_t n = write(fd, SEAL_INIT_ELF + done, sizeof SEAL_INIT_ELF - done);
+        if (n <= 0 && errno != EINTR) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            close(fd);
+            return -1;
+        }
+        if (n > 0)
+            done += (size_t)n;
+    }
+    /* F_ADD_SEALS: F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE */
+    if (raw_fcntl(fd, 1033, 0x1 | 0x2 | 0x4 | 0x8) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        close(fd);
+        return -1;
+    }
+    seal_init_fd = fd;
+    return fd;
+}
+
 /* Step 1, parse: the argument tuple into `rq`, `chk` (a checked spawn's target) and the plain ints
  * of `c`. 0 with a Python error set on failure. */
 static int parse_request(PyObject *a, struct request *rq, struct checked *chk, struct child *c,
@@ -1127,8 +1200,8 @@ static long clone_request(const struct request *rq, const struct checked *chk, s
     struct clone_args_v2 cl;
     memset(&cl, 0, sizeof cl);
     cl.flags = CLONE_VM | CLONE_VFORK | (rq->cgroup_fd >= 0 || chk->path ? CLONE_INTO_CGROUP : 0);
-    if (c->seal)  /* a copy, not the caller's memory: its PID 1 outlives this call (seal_enter) */
-        cl.flags = (cl.flags & ~(uint64_t)(CLONE_VM | CLONE_VFORK)) | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC;
+    if (c->seal)  /* it is PID 1 there; it execs the init (seal_enter) */
+        cl.flags |= CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC;
     cl.exit_signal = SIGCHLD;
     cl.stack = (uint64_t)(uintptr_t)stack;
     cl.stack_size = CHILD_STACK_SIZE;
@@ -1214,7 +1287,7 @@ static PyObject *spawn(PyObject *self, PyObject *a)
         parsed = parse_seal(rq.seal_obj, &seal);
         c.seal = &seal;
     }
-    if (parsed && c.seal && !(seal.target_stack = take_stack()))
+    if (parsed && c.seal && ((seal.init_fd = seal_init_memfd()) < 0 || !(seal.target_stack = take_stack())))
         parsed = 0;
     if (parsed && convert_request(&rq, &chk, &c, &h)) {
         long pid = clone_request(&rq, &chk, &c, &h);
