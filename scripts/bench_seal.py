@@ -40,7 +40,7 @@ from cgturn.kernel import spawn as kspawn  # noqa: E402
 
 NATIVE, BWRAP_CHAIN = "clone3, native sandbox", "clone3, bubblewrap"
 CASES = {  # name: (spawn path, native sandbox allowed, exec chain of the sealed spawn)
-    NATIVE: (testing.CLONE3, True, "clone3 → (PID 1: the child, a copy of the caller) → target"),
+    NATIVE: (testing.CLONE3, True, "clone3 → PID 1 (the child: mounts, then execs cgturn-init) → target"),
     BWRAP_CHAIN: (testing.CLONE3, False, "clone3 → bwrap (→ its init) → target"),
     "shim": (testing.SHIM, False, "shim sh → bwrap (→ its init) → target"),
 }

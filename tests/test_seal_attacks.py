@@ -190,10 +190,16 @@ def ns_pids(pid: int) -> list[int]:
         return [int(v) for line in f if line.startswith("NSpid:") for v in line.split()[1:]]
 
 
-@pytest.fixture(autouse=True, params=["clone3", "shim"])
+@pytest.fixture(autouse=True, params=["clone3", "clone3-bwrap", "shim"])
 def spawn_path(request, monkeypatch):
-    """Every attack on both ways a sealed spawn starts: cloned into the turn, or through the gated shim."""
-    force_spawn_path(monkeypatch, request.param)
+    """Every attack on every way a sealed spawn starts: cloned into the turn with the extension's own
+    sandbox, cloned and then bubblewrap (where that sandbox cannot be built), or the gated shim and
+    bubblewrap."""
+    from cgturn.backends import seal
+
+    force_spawn_path(monkeypatch, request.param.split("-")[0])
+    if request.param == "clone3-bwrap":
+        monkeypatch.setattr(seal, "native_works", lambda: False)
     return request.param
 
 
