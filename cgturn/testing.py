@@ -95,7 +95,7 @@ def forced_bubblewrap_seal() -> Iterator[None]:
     try:
         yield
     finally:
-        seal.native_works = saved  # type: ignore[assignment]
+        seal.native_works = saved
 
 
 def guard_pressing(manager: TurnManager) -> dict[str, Any] | None:
