@@ -1,18 +1,22 @@
-"""A sealed spawn's sandbox: the bubblewrap(1) command that runs between joining the turn and the
-target, so that no process of a sealed turn, root included, reaches a cgroup, a limit, a host
-setting, a process or a file outside what the turn was given (docs/security.md, issue 21).
+"""A sealed spawn's sandbox, described twice: as the `seal=` tuple the C extension's child builds it
+from (native(), the clone3 path), and as the bubblewrap(1) command that builds the same sandbox
+where the extension cannot (command(): the shim path, a caller without CAP_SYS_ADMIN, Linux < 5.12).
+Either way no process of a sealed turn, root included, reaches a cgroup, a limit, a host setting, a
+process or a file outside what the turn was given (docs/security.md, issue 21).
 
-bubblewrap is exec'd once the process is in its turn (by the shim after its gate), so it and
-everything it starts run inside the turn's cgroups from their first instruction. It builds, in one
-process and a fixed order: new PID, mount, cgroup and IPC namespaces (its own small init is PID 1,
-reaping; the target is PID 2, so SIGTERM from outside reaches it with its default action), the host's
-`/` bound read-only (sysfs, the cgroup mounts and every other mount below it too), a fresh `/proc`
-for the PID namespace (its `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq`, `/proc/bus` bound read-only),
-a minimal `/dev`, private `/tmp` and `/run`, the writable paths bound back read-write; then the
-capability set KEPT_CAPS, no_new_privs and the syscall filter (seal_filter.py), then exec.
+The sandbox is built once the process is in its turn, so it and everything it starts run inside the
+turn's cgroups from their first instruction. In a fixed order: new PID, mount, cgroup and IPC
+namespaces (a small init is PID 1, reaping; the target is PID 2, so SIGTERM from outside reaches it
+with its default action), the host's `/` read-only (sysfs, the cgroup mounts and every other mount
+below it too), a fresh `/proc` for the PID namespace (its `/proc/sys`, `/proc/sysrq-trigger`,
+`/proc/irq`, `/proc/bus` bound read-only), a minimal `/dev`, private `/tmp` and `/run`, the binds of
+_binds() in order; then the capability set KEPT_CAPS, no_new_privs and the syscall filter
+(seal_filter.py), then exec.
 
-Why bubblewrap rather than our own plumbing: it is a small, audited C program (Flatpak's sandbox)
-that does exactly this sequence, and what it does not do (the user's ids) is one setpriv(1) after it.
+Why the extension's own sandbox first: bubblewrap's exec and its per-mount steps were most of what a
+seal cost (4-5x a plain turn; docs/security.md has the breakdown), and the child makes the whole tree
+read-only in one mount_setattr call. Why bubblewrap behind it: a small, audited C program (Flatpak's
+sandbox) doing the same sequence, so the promise never depends on the extension being built.
 Why no user namespace (bwrap's `--unshare-user`, `--disable-userns`): a root target would become
 root of a namespace that owns none of the host's resources, so binding a port below 1024 on the
 host's network, or reading a file of another user, would stop working, and bwrap maps only one uid,

@@ -8,7 +8,7 @@ Paths, preferred first:
 - "shim": the gated /bin/sh shim (shim.py, gates.py): works everywhere, honours every option.
 
 A request goes to the first path that can honour it: which Popen options each path honours is the one
-table in spawn_options.py; a sealed turn takes clone3 (which execs the seal's chain, seal.py) or the
+table in spawn_options.py; a sealed turn takes clone3 (whose child builds the seal's sandbox, seal.py) or the
 shim, and a turn with only a network of its own always takes the shim. Taking the
 shim because of an option logs one debug line naming it. posix_spawn also hands over what it finds
 it cannot do once Popen has arranged the request (kernel/posix_spawn.py). On
