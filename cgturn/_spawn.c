@@ -295,14 +295,15 @@ static int seal_move(int fd, const char *to)
 }
 
 /* mkdir -p of `path` (a file at the end unless `dir`), for a mount point inside a new tmpfs; what
- * exists already (the read-only host's directories) is left as it is. */
+ * exists already (the read-only host's directories) is left as it is. (memmove here and below, not
+ * memcpy: glibc's memcpy is a GLIBC_2.14 symbol, which would lift the wheel's manylinux tag.) */
 static void seal_mountpoint(const char *path, int dir)
 {
     char buf[4096];
     size_t len = strlen(path);
     if (len >= sizeof buf)
         return;
-    memcpy(buf, path, len + 1);
+    memmove(buf, path, len + 1);
     for (size_t i = 1; i < len; i++)
         if (buf[i] == '/') {
             buf[i] = '\0';
@@ -390,8 +391,8 @@ static int seal_enter(const struct child *c)
             SEAL_FAIL("noexec");
     }
     for (i = 0; i < SEAL_N_DEV; i++) {
-        memcpy(path, "/dev/", 5);
-        memcpy(path + 5, seal_dev_nodes[i], strlen(seal_dev_nodes[i]) + 1);
+        memmove(path, "/dev/", 5);
+        memmove(path + 5, seal_dev_nodes[i], strlen(seal_dev_nodes[i]) + 1);
         if ((dev_fd[i] = seal_open_tree(path, 0)) < 0)
             SEAL_FAIL("noexec");
         if (seal_setattr(dev_fd[i], "", SEAL_AT_EMPTY_PATH, SEAL_ATTR_NOSUID, SEAL_ATTR_NODEV | SEAL_ATTR_RDONLY) != 0)
@@ -420,8 +421,8 @@ static int seal_enter(const struct child *c)
     if (mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755") != 0)
         SEAL_FAIL("noexec");
     for (i = 0; i < SEAL_N_DEV; i++) {
-        memcpy(path, "/dev/", 5);
-        memcpy(path + 5, seal_dev_nodes[i], strlen(seal_dev_nodes[i]) + 1);
+        memmove(path, "/dev/", 5);
+        memmove(path + 5, seal_dev_nodes[i], strlen(seal_dev_nodes[i]) + 1);
         seal_mountpoint(path, 0);
         if (seal_move(dev_fd[i], path) != 0)
             SEAL_FAIL("noexec");
