@@ -91,7 +91,7 @@ def forced_bubblewrap_seal() -> Iterator[None]:
     """Make sealed spawns exec bubblewrap on every path until the block ends, as where the
     extension's sandbox cannot be built."""
     saved = seal.native_works
-    seal.native_works = lambda: False  # type: ignore[assignment]  # restored below
+    seal.native_works = lambda: False  # restored below
     try:
         yield
     finally:

@@ -112,3 +112,30 @@ def test_the_probe_says_no_for_a_caller_without_cap_sys_admin():
     if "No module named" in out.stderr:
         pytest.skip("the checkout is not readable by nobody")
     assert out.stdout.strip() == "False", out.stderr
+
+
+
+def test_a_refused_sealed_clone_turns_to_bubblewrap_and_leaves_clone3_on(cgroup2_manager, tmp_path, monkeypatch):
+    # The kernel refusing the sandbox's clone (EPERM: the caller lost CAP_SYS_ADMIN after the probe, or
+    # a seccomp filter came) is simulated at the extension's call: unsealed spawns must keep clone3.
+    import errno
+
+    from cgturn.backends import seal, spawn_paths
+    from cgturn.kernel import spawn as kspawn
+
+    real = kspawn._spawn.spawn
+
+    def refuse_sealed(*args):
+        if len(args) > 19 and args[19] is not None:
+            raise OSError(errno.EPERM, "Operation not permitted")
+        return real(*args)
+
+    monkeypatch.setattr(kspawn._spawn, "spawn", refuse_sealed)
+    monkeypatch.setattr(seal, "_refused", False, raising=False)
+    turn = cgroup2_manager.begin_turn("refused", seal=True)
+    proc = turn.spawn(["sleep", "300"], cwd=str(tmp_path))         # sealed by bubblewrap instead
+    sandboxed_target(turn, SLEEP)
+    assert os.path.basename(open(f"/proc/{proc.pid}/cmdline", "rb").read().split(b"\0")[0]) == b"bwrap"
+    assert not seal.native_works() and spawn_paths.can_clone3
+    turn.abandon("test", grace=0)
+    proc.wait(timeout=10)

@@ -136,11 +136,26 @@ def native(writable, cwd, identity: Identity | None, netns_fd: int = -1) -> tupl
 _PROC_HOST_STATE = tuple(os.fsencode(path) for path in sandbox.PROC_HOST_STATE)
 
 
-@functools.lru_cache(maxsize=1)
 def native_works() -> bool:
     """Whether the C extension can build the sandbox here (tried once per process around /bin/true,
     outside any cgroup): it needs the extension, root's CAP_SYS_ADMIN and Linux 5.12+ (mount_setattr);
-    where not, sealed spawns exec bubblewrap."""
+    where not, sealed spawns exec bubblewrap. False for good once a sealed clone was refused
+    (native_refused)."""
+    return not _refused and _probe()
+
+
+_refused = False
+
+
+def native_refused() -> None:
+    """The kernel refused a sealed clone after the probe (the caller lost CAP_SYS_ADMIN, a seccomp
+    filter came): sealed spawns exec bubblewrap from now on, and unsealed ones keep clone3."""
+    global _refused
+    _refused = True
+
+
+@functools.lru_cache(maxsize=1)
+def _probe() -> bool:
     import subprocess
 
     from ..kernel import spawn as kspawn

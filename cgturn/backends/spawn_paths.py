@@ -197,6 +197,10 @@ def _spawn_native(record: "TurnRecord", where: SpawnTarget, meta: MetadataStore,
                   extra=turn_fields(record.task_id, record.turn_id))
         return None
     except kspawn.CloneUnsupported as err:
+        if "seal" in kwargs:  # the sandbox's namespaces were refused, not clone3 into a cgroup
+            log.info("a sealed clone refused by the kernel (%s); sealing with bubblewrap from now on", err)
+            seal.native_refused()
+            return None
         log.info("%s into a cgroup refused by the kernel (%s); spawning through the shim", way, err)
         if way == CLONE3:
             can_clone3 = False
