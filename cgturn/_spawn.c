@@ -475,12 +475,15 @@ static int seal_enter(const struct child *c)
      * no_new_privs and the filter as the target has them); the exec releases the caller (CLONE_VFORK). */
     if (seal_drop(s, 0) != 0)
         SEAL_FAIL("noexec");
-    if (s->init_fd > 0)
-        close_range_or_loop(0, s->init_fd - 1);
-    close_range_or_loop(s->init_fd + 1, INT_MAX);
+    /* every fd but the init's and the report pipe (both close-on-exec: the exec closes them) */
+    int low = c->errpipe_write < s->init_fd ? c->errpipe_write : s->init_fd;
+    int high = c->errpipe_write < s->init_fd ? s->init_fd : c->errpipe_write;
+    close_range_or_loop(0, low - 1);
+    close_range_or_loop(low + 1, high - 1);
+    close_range_or_loop(high + 1, INT_MAX);
     static char *const init_argv[] = {"cgturn-init", NULL}, *const init_envp[] = {NULL};
     syscall(SYS_execveat, s->init_fd, "", init_argv, init_envp, SEAL_AT_EMPTY_PATH);
-    syscall(SYS_exit_group, 255);  /* the caller's report pipe is closed: the target's namespace dies with us */
+    SEAL_FAIL("noexec");  /* and the target's namespace dies with this process */
 fail:
     return -1;
 }
