@@ -46,10 +46,13 @@
 #include <pthread.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/xattr.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #if !defined(__x86_64__)
@@ -102,6 +105,7 @@ struct child {
     int close_fds, restore_signals, start_new_session, process_group, umask_value;
     int p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, errpipe_write;
     sigset_t mask;              /* the caller's signal mask, restored before execve */
+    const struct seal *seal;    /* NULL: not sealed (see "the seal" below) */
 };
 
 /* --- child side: async-signal-safe only ------------------------------------------------------- */
@@ -215,18 +219,326 @@ static void reset_signal_handlers(void)
     }
 }
 
+/* --- the seal (issue 21): a sealed turn's sandbox, built by the child itself ---------------------
+ *
+ * What bubblewrap builds for a sealed spawn (backends/seal.py), without exec'ing it: the child is
+ * cloned into the turn's cgroup and into new PID, mount and IPC namespaces, so it is PID 1 there. It makes its mounts private (MS_SLAVE, as bwrap), clones the
+ * paths it binds back and the device nodes it keeps while they are still the host's (open_tree), makes
+ * the whole tree read-only, nosuid and nodev in ONE call (mount_setattr AT_RECURSIVE, Linux 5.12:
+ * bwrap remounts every submount one by one), mounts a fresh /proc with its host-state files bound
+ * read-only, a minimal /dev (tmpfs, the six nodes bwrap keeps, a new devpts), private /tmp and /run,
+ * moves the binds in, enters the turn's network namespace and a cgroup namespace rooted at the turn,
+ * and starts the target (PID 2, CLONE_VFORK), which drops to the kept capabilities, sets
+ * no_new_privs and installs the syscall filter just before it execs; then PID 1 drops every
+ * capability and execs the namespace's init (SEAL_INIT_ELF). Like the unsealed child, it runs in
+ * the caller's memory (CLONE_VM | CLONE_VFORK) until that exec.
+ * Only raw system calls and async-signal-safe libc calls, as the rest of the child. */
+#define SEAL_MAX_BINDS 32
+#define SEAL_MAX_PROC_RO 8
+#define SEAL_BIND_WRITABLE 1
+#define SEAL_BIND_DIR 2
+struct seal {
+    const char *bind_path[SEAL_MAX_BINDS];  /* bound in order, each onto itself */
+    int bind_flags[SEAL_MAX_BINDS];
+    int n_binds;
+    const char *proc_ro[SEAL_MAX_PROC_RO];  /* bound read-only in the new /proc; the first must exist */
+    int n_proc_ro;
+    const char *cwd;
+    const void *filter;                     /* struct sock_filter records */
+    unsigned short filter_len;
+    uint64_t caps;                          /* kept capabilities, a bit per number */
+    int last_cap;
+    int netns_fd;                           /* -1: the caller's network */
+    void *target_stack;                     /* the target's until it execs (CHILD_STACK_SIZE) */
+    int init_fd;                            /* a memfd holding SEAL_INIT_ELF */
+};
+static int child_exec(void *arg);
+static int seal_drop(const struct seal *s, uint64_t caps);
+static long clone3_call(struct clone_args_v2 *args, int (*fn)(void *), void *arg);
+
+#ifndef SYS_open_tree
+#define SYS_open_tree 428
+#endif
+#ifndef SYS_move_mount
+#define SYS_move_mount 429
+#endif
+#ifndef SYS_mount_setattr
+#define SYS_mount_setattr 442
+#endif
+#define SEAL_OPEN_TREE_CLONE 1
+#define SEAL_AT_RECURSIVE 0x8000
+#define SEAL_AT_EMPTY_PATH 0x1000
+#define SEAL_MOVE_MOUNT_F_EMPTY_PATH 0x4
+#define SEAL_ATTR_RDONLY 0x1
+#define SEAL_ATTR_NOSUID 0x2
+#define SEAL_ATTR_NODEV 0x4
+struct seal_mount_attr { uint64_t attr_set, attr_clr, propagation, userns_fd; };
+/* What bwrap's --dev keeps of the host's /dev (bubblewrap.c, devnodes[]). */
+static const char *const seal_dev_nodes[] = {"null", "zero", "full", "random", "urandom", "tty"};
+#define SEAL_N_DEV (int)(sizeof(seal_dev_nodes) / sizeof(seal_dev_nodes[0]))
+
+static int seal_open_tree(const char *path, int recursive)
+{
+    return (int)syscall(SYS_open_tree, AT_FDCWD, path,
+                        SEAL_OPEN_TREE_CLONE | O_CLOEXEC | (recursive ? SEAL_AT_RECURSIVE : 0));
+}
+
+static int seal_setattr(int dfd, const char *path, int flags, uint64_t set, uint64_t clr)
+{
+    struct seal_mount_attr attr = {set, clr, 0, 0};
+    return (int)syscall(SYS_mount_setattr, dfd, path, flags, &attr, sizeof attr);
+}
+
+static int seal_move(int fd, const char *to)
+{
+    return (int)syscall(SYS_move_mount, fd, "", AT_FDCWD, to, SEAL_MOVE_MOUNT_F_EMPTY_PATH);
+}
+
+/* mkdir -p of `path` (a file at the end unless `dir`), for a mount point inside a new tmpfs; what
+ * exists already (the read-only host's directories) is left as it is. (memmove here and below, not
+ * memcpy: glibc's memcpy is a GLIBC_2.14 symbol, which would lift the wheel's manylinux tag.) */
+static void seal_mountpoint(const char *path, int dir)
+{
+    char buf[4096];
+    size_t len = strlen(path);
+    if (len >= sizeof buf)
+        return;
+    memmove(buf, path, len + 1);
+    for (size_t i = 1; i < len; i++)
+        if (buf[i] == '/') {
+            buf[i] = '\0';
+            mkdir(buf, 0755);
+            buf[i] = '/';
+        }
+    if (dir) {
+        mkdir(buf, 0755);
+    } else {
+        int fd = open(buf, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+        if (fd >= 0)
+            close(fd);
+    }
+}
+
+/* The namespace's init, exec'd by PID 1 once the target has exec'd: scripts/seal_init/seal_init.c
+ * built static without libc (scripts/seal_init/build.py prints this array). It reaps every child,
+ * exits with PID 2's status (128+N for a signal N, as bwrap's init: an init cannot die of a signal
+ * it sends itself) and drops every signal, forwarding none (the source says why). Exec'd from a
+ * sealed memfd made once per process (seal_init_memfd), so it needs no file on disk and holds no copy
+ * of the caller's memory. */
+static const unsigned char SEAL_INIT_ELF[] = {
+    0x7f, 0x45, 0x4c, 0x46, 0x02, 0x01, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x02, 0x00, 0x3e, 0x00, 0x01, 0x00, 0x00, 0x00, 0xb0, 0x00, 0x40, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x40, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x70, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, 0x40, 0x00, 0x38, 0x00, 0x02, 0x00, 0x40, 0x00, 0x03, 0x00, 0x02, 0x00,
+    0x01, 0x00, 0x00, 0x00, 0x05, 0x00, 0x00, 0x00, 0xb0, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0xb0, 0x00, 0x40, 0x00, 0x00, 0x00, 0x00, 0x00, 0xb0, 0x00, 0x40, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0xaa, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0xaa, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x51, 0xe5, 0x74, 0x64, 0x06, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x10, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x41, 0x56, 0x41, 0xba, 0x08, 0x00, 0x00, 0x00, 0xb8, 0x0e, 0x00, 0x00, 0x00, 0x31, 0xd2, 0x41,
+    0x55, 0xbf, 0x02, 0x00, 0x00, 0x00, 0x41, 0x54, 0x55, 0x53, 0x48, 0xc7, 0x44, 0x24, 0xf8, 0xff,
+    0xff, 0xff, 0xff, 0x4c, 0x8d, 0x44, 0x24, 0xf8, 0x4c, 0x89, 0xc6, 0x0f, 0x05, 0xbb, 0x3d, 0x00,
+    0x00, 0x00, 0x4c, 0x8d, 0x4c, 0x24, 0xf4, 0x48, 0x83, 0xcd, 0xff, 0x41, 0xbc, 0x01, 0x00, 0x00,
+    0x00, 0x41, 0xbd, 0x80, 0x00, 0x00, 0x00, 0x41, 0xbe, 0xe7, 0x00, 0x00, 0x00, 0x45, 0x31, 0xd2,
+    0x48, 0x89, 0xd8, 0x48, 0x89, 0xef, 0x4c, 0x89, 0xce, 0x4c, 0x89, 0xe2, 0x0f, 0x05, 0x48, 0x85,
+    0xc0, 0x7e, 0x2c, 0x48, 0x83, 0xf8, 0x02, 0x75, 0xe4, 0x8b, 0x44, 0x24, 0xf4, 0x89, 0xc2, 0x83,
+    0xe2, 0x7f, 0x8d, 0xba, 0x80, 0x00, 0x00, 0x00, 0x75, 0x03, 0x0f, 0xb6, 0xfc, 0x31, 0xd2, 0x48,
+    0x63, 0xff, 0x45, 0x31, 0xd2, 0x4c, 0x89, 0xf0, 0x48, 0x89, 0xd6, 0x0f, 0x05, 0xeb, 0xbe, 0x31,
+    0xd2, 0x41, 0xba, 0x08, 0x00, 0x00, 0x00, 0x4c, 0x89, 0xe8, 0x4c, 0x89, 0xc7, 0x48, 0x89, 0xd6,
+    0x0f, 0x05, 0x48, 0x83, 0xf8, 0x11, 0x75, 0xe9, 0xeb, 0xa3, 0x00, 0x2e, 0x73, 0x68, 0x73, 0x74,
+    0x72, 0x74, 0x61, 0x62, 0x00, 0x2e, 0x74, 0x65, 0x78, 0x74, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x0b, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x06, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0xb0, 0x00, 0x40, 0x00, 0x00, 0x00, 0x00, 0x00, 0xb0, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0xaa, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x01, 0x00, 0x00, 0x00, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x5a, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x11, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+};
+
+#define SEAL_FAIL(stage) do { report(c, errno, stage); goto fail; } while (0)
+
+/* In PID 1 of the new namespaces: the mounts, the network, the cgroup namespace, then the target
+ * (child_exec, PID 2), then the init's loop. Returns -1 after a report; else never. */
+static int seal_enter(const struct child *c)
+{
+    const struct seal *s = c->seal;
+    int bind_fd[SEAL_MAX_BINDS], dev_fd[SEAL_N_DEV];
+    int i;
+    for (i = 0; i < SEAL_MAX_BINDS; i++)
+        bind_fd[i] = -1;
+    for (i = 0; i < SEAL_N_DEV; i++)
+        dev_fd[i] = -1;
+    char path[64];
+    if (mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) != 0)  /* nothing of ours reaches the host */
+        SEAL_FAIL("noexec");
+    /* taken from the host's tree before it is read-only (and before /tmp, /run and /dev are covered) */
+    for (i = 0; i < s->n_binds; i++) {
+        if ((bind_fd[i] = seal_open_tree(s->bind_path[i], 1)) < 0)
+            SEAL_FAIL("noexec");
+        uint64_t set = SEAL_ATTR_NOSUID | SEAL_ATTR_NODEV;
+        if (!(s->bind_flags[i] & SEAL_BIND_WRITABLE))
+            set |= SEAL_ATTR_RDONLY;
+        if (seal_setattr(bind_fd[i], "", SEAL_AT_EMPTY_PATH | SEAL_AT_RECURSIVE, set,
+                         s->bind_flags[i] & SEAL_BIND_WRITABLE ? SEAL_ATTR_RDONLY : 0) != 0)
+            SEAL_FAIL("noexec");
+    }
+    for (i = 0; i < SEAL_N_DEV; i++) {
+        memmove(path, "/dev/", 5);
+        memmove(path + 5, seal_dev_nodes[i], strlen(seal_dev_nodes[i]) + 1);
+        if ((dev_fd[i] = seal_open_tree(path, 0)) < 0)
+            SEAL_FAIL("noexec");
+        if (seal_setattr(dev_fd[i], "", SEAL_AT_EMPTY_PATH, SEAL_ATTR_NOSUID, SEAL_ATTR_NODEV | SEAL_ATTR_RDONLY) != 0)
+            SEAL_FAIL("noexec");
+    }
+    /* the whole tree, every submount (sysfs, the cgroup mounts, ...), in one call */
+    if (seal_setattr(AT_FDCWD, "/", SEAL_AT_RECURSIVE, SEAL_ATTR_RDONLY | SEAL_ATTR_NOSUID | SEAL_ATTR_NODEV, 0) != 0)
+        SEAL_FAIL("noexec");
+    if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0)
+        SEAL_FAIL("noexec");
+    for (i = 0; i < s->n_proc_ro; i++) {
+        int fd = seal_open_tree(s->proc_ro[i], 1);
+        if (fd < 0 && i > 0 && errno == ENOENT)
+            continue;  /* a kernel without it */
+        if (fd < 0)
+            SEAL_FAIL("noexec");
+        int bad = seal_setattr(fd, "", SEAL_AT_EMPTY_PATH | SEAL_AT_RECURSIVE,
+                               SEAL_ATTR_RDONLY | SEAL_ATTR_NOSUID | SEAL_ATTR_NODEV, 0) != 0
+                  || seal_move(fd, s->proc_ro[i]) != 0;
+        int saved = errno;
+        close(fd);
+        errno = saved;
+        if (bad)
+            SEAL_FAIL("noexec");
+    }
+    if (mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755") != 0)
+        SEAL_FAIL("noexec");
+    for (i = 0; i < SEAL_N_DEV; i++) {
+        memmove(path, "/dev/", 5);
+        memmove(path + 5, seal_dev_nodes[i], strlen(seal_dev_nodes[i]) + 1);
+        seal_mountpoint(path, 0);
+        if (seal_move(dev_fd[i], path) != 0)
+            SEAL_FAIL("noexec");
+    }
+    if (mkdir("/dev/shm", 01777) != 0 || mkdir("/dev/pts", 0755) != 0
+        || mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620") != 0
+        || symlink("pts/ptmx", "/dev/ptmx") != 0 || symlink("/proc/self/fd", "/dev/fd") != 0
+        || symlink("/proc/self/fd/0", "/dev/stdin") != 0 || symlink("/proc/self/fd/1", "/dev/stdout") != 0
+        || symlink("/proc/self/fd/2", "/dev/stderr") != 0)
+        SEAL_FAIL("noexec");
+    if (mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755") != 0
+        || mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755") != 0)
+        SEAL_FAIL("noexec");
+    for (i = 0; i < s->n_binds; i++) {
+        seal_mountpoint(s->bind_path[i], s->bind_flags[i] & SEAL_BIND_DIR);
+        if (seal_move(bind_fd[i], s->bind_path[i]) != 0)
+            SEAL_FAIL("noexec");
+    }
+    if (s->cwd && chdir(s->cwd) != 0)  /* onto the binds: the old working directory is below them */
+        SEAL_FAIL("noexec:chdir");
+    if (s->netns_fd >= 0 && syscall(SYS_setns, s->netns_fd, CLONE_NEWNET) != 0)
+        SEAL_FAIL("noexec");
+    if (unshare(CLONE_NEWCGROUP) != 0)  /* rooted at the turn: the child is in it by now */
+        SEAL_FAIL("noexec");
+    for (i = 0; i < SEAL_MAX_BINDS; i++)
+        if (bind_fd[i] >= 0)
+            close(bind_fd[i]);
+    for (i = 0; i < SEAL_N_DEV; i++)
+        if (dev_fd[i] >= 0)
+            close(dev_fd[i]);
+    /* SIGCHLD at its default (not ignored: the kernel would reap for the init), set before the target
+     * exists: setting it discards a pending SIGCHLD (sigaction(2)). */
+    struct sigaction dfl;
+    memset(&dfl, 0, sizeof dfl);
+    dfl.sa_handler = SIG_DFL;
+    sigaction(SIGCHLD, &dfl, NULL);
+    /* The target, PID 2, shares this memory (the caller's) until it execs, as this child does. */
+    struct clone_args_v2 cl;
+    memset(&cl, 0, sizeof cl);
+    cl.flags = CLONE_VM | CLONE_VFORK;
+    cl.exit_signal = SIGCHLD;
+    cl.stack = (uint64_t)(uintptr_t)s->target_stack;
+    cl.stack_size = CHILD_STACK_SIZE;
+    long target = clone3_call(&cl, child_exec, (void *)c);
+    if (target < 0) {
+        errno = (int)-target;
+        SEAL_FAIL("noexec");
+    }
+    /* Then this child becomes the init: nothing kept (no capability, no fd but the init's own,
+     * no_new_privs and the filter as the target has them); the exec releases the caller (CLONE_VFORK). */
+    if (seal_drop(s, 0) != 0)
+        SEAL_FAIL("noexec");
+    /* every fd but the init's and the report pipe (both close-on-exec: the exec closes them) */
+    int low = c->errpipe_write < s->init_fd ? c->errpipe_write : s->init_fd;
+    int high = c->errpipe_write < s->init_fd ? s->init_fd : c->errpipe_write;
+    close_range_or_loop(0, low - 1);
+    close_range_or_loop(low + 1, high - 1);
+    close_range_or_loop(high + 1, INT_MAX);
+    static char *const init_argv[] = {"cgturn-init", NULL}, *const init_envp[] = {NULL};
+    syscall(SYS_execveat, s->init_fd, "", init_argv, init_envp, SEAL_AT_EMPTY_PATH);
+    SEAL_FAIL("noexec");  /* and the target's namespace dies with this process */
+fail:
+    return -1;
+}
+
+/* The capability set `caps` (bounding, permitted, effective, inheritable and ambient), no_new_privs
+ * and the filter: the target's just before it execs (caps: the kept set), the init's (none). */
+static int seal_drop(const struct seal *s, uint64_t caps)
+{
+    for (int cap = 0; cap <= s->last_cap; cap++)
+        if (!((caps >> cap) & 1) && syscall(SYS_prctl, PR_CAPBSET_DROP, cap, 0, 0, 0) != 0)
+            return -1;
+    struct { uint32_t version; int pid; } header = {0x20080522, 0};  /* _LINUX_CAPABILITY_VERSION_3 */
+    uint32_t lo = (uint32_t)caps, hi = (uint32_t)(caps >> 32);
+    struct { uint32_t effective, permitted, inheritable; } data[2] = {{lo, lo, lo}, {hi, hi, hi}};
+    if (syscall(SYS_capset, &header, data) != 0)
+        return -1;
+    /* as bwrap: the kept set is ambient too, so a non-root program exec'd by root keeps it */
+    if (syscall(SYS_prctl, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0)
+        return -1;
+    for (int cap = 0; cap <= s->last_cap && cap < 64; cap++)
+        if (((caps >> cap) & 1) && syscall(SYS_prctl, PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0) != 0)
+            return -1;
+    if (syscall(SYS_prctl, PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
+        return -1;
+    struct { unsigned short len; const void *filter; } program = {s->filter_len, s->filter};
+    if (syscall(SYS_prctl, PR_SET_SECCOMP, 2 /* SECCOMP_MODE_FILTER */, &program, 0, 0) != 0)
+        return -1;
+    return 0;
+}
+
 #define FAIL(stage) do { report(c, errno, stage); return 255; } while (0)
 
 static int child_main(void *arg)
 {
     const struct child *c = arg;
-    int p2cread = c->p2cread, c2pwrite = c->c2pwrite, errwrite = c->errwrite;
 
     reset_signal_handlers();  /* all signals stay blocked until execve */
     for (Py_ssize_t i = 0; i < c->n_join; i++)  /* v1 hierarchies: before anything runs */
         if (write(c->join[i], "0", 1) != 1)
             FAIL("noexec:cgroup");
+    if (c->seal) {
+        seal_enter(c);  /* returns only after a report: the target runs child_exec */
+        return 255;
+    }
+    return child_exec(arg);
+}
 
+/* The rest of the child, up to execve: the caller's child, or a sealed spawn's target. */
+static int child_exec(void *arg)
+{
+    const struct child *c = arg;
+    int p2cread = c->p2cread, c2pwrite = c->c2pwrite, errwrite = c->errwrite;
+
+    if (c->seal && c->seal->netns_fd >= 0)
+        close(c->seal->netns_fd);  /* entered by PID 1 already */
     /* As _posixsubprocess: the parent's pipe ends go; the standard fds are dup2'd from what Popen
      * prepared, never clobbering one another. */
     if (c->p2cwrite != -1 && close(c->p2cwrite) != 0) FAIL("noexec");
@@ -259,6 +571,8 @@ static int child_main(void *arg)
     if (c->process_group >= 0 && setpgid(0, c->process_group) != 0) FAIL("noexec");
     if (c->close_fds)
         close_all_but(c);
+    if (c->seal && seal_drop(c->seal, c->seal->caps) != 0)
+        FAIL("noexec");
     sigprocmask(SIG_SETMASK, &c->mask, NULL);
 
     /* Popen's PATH search (os._execvpe): the first error that is not "not here" wins. */
@@ -644,7 +958,7 @@ static int *int_array(PyObject *seq, Py_ssize_t *count)
 PyDoc_STRVAR(spawn_doc,
 "spawn(args, executable_list, close_fds, fds_to_keep, cwd, env_list, extra_env,\n"
 "      p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,\n"
-"      restore_signals, start_new_session, process_group, umask, cgroup, join_fds)\n"
+"      restore_signals, start_new_session, process_group, umask, cgroup, join_fds[, seal])\n"
 "      -> pid | (pid, report) | None\n\n"
 "Start a child in a cgroup (clone3 CLONE_INTO_CGROUP|CLONE_VFORK|CLONE_VM) and\n"
 "exec the first of executable_list that runs. Arguments follow _posixsubprocess.fork_exec (args:\n"
@@ -657,6 +971,8 @@ PyDoc_STRVAR(spawn_doc,
 "The lock is waited for at most 2 s: OSError ETIMEDOUT with the path, nothing started.\n"
 "A child that fails before or at exec reports 'OSError:<hex errno>:<stage>' through a CLOEXEC\n"
 "pipe of this call's own and exits 255: then (pid, report); the caller reaps it.\n"
+"seal (None: not sealed) builds a sealed turn's sandbox in the child (backends/seal.py, native):\n"
+"then the child is PID 1 of new PID, mount and IPC namespaces, an init that forks the target.\n"
 "Raises OSError when the open, the lock or clone3 itself fails.");
 
 /* spawn()'s arguments as Python objects, before conversion (borrowed from the argument tuple). */
@@ -664,6 +980,7 @@ struct request {
     PyObject *args, *exec_list, *keep_seq, *cwd_obj, *env_obj, *extra_obj, *join_seq;
     PyObject *path_arg;         /* the checked spawn's path as given (for the OSError's filename) */
     int cgroup_fd;              /* -1: no fd given (a checked spawn, or no cgroup at all) */
+    PyObject *seal_obj;         /* NULL or None: not sealed */
 };
 
 /* What one spawn() call owns until it returns: every reference and buffer is released by
@@ -677,17 +994,100 @@ struct held {
     int errfds[2];
 };
 
+/* The seal's tuple (backends/seal.py, native()) into `s`, whose strings point into its bytes
+ * objects (alive for the call: the argument tuple holds it):
+ * ((path, flags)..., ), (proc path...), cwd, filter, caps, last_cap, netns_fd.
+ * 0 with a Python error set on failure. */
+static int parse_seal(PyObject *obj, struct seal *s)
+{
+    PyObject *binds, *proc_ro, *cwd, *filter;
+    unsigned long long caps;
+    char *program;
+    Py_ssize_t program_len;
+    if (!PyArg_ParseTuple(obj, "O!O!O!O!Kii:seal", &PyTuple_Type, &binds, &PyTuple_Type, &proc_ro,
+                          &PyBytes_Type, &cwd, &PyBytes_Type, &filter, &caps, &s->last_cap, &s->netns_fd))
+        return 0;
+    if (PyTuple_Size(binds) > SEAL_MAX_BINDS || PyTuple_Size(proc_ro) > SEAL_MAX_PROC_RO) {
+        PyErr_SetString(PyExc_ValueError, "a sealed spawn binds at most 32 paths");
+        return 0;
+    }
+    s->n_binds = (int)PyTuple_Size(binds);
+    for (int i = 0; i < s->n_binds; i++) {
+        PyObject *path;
+        if (!PyArg_ParseTuple(PyTuple_GetItem(binds, i), "O!i:bind", &PyBytes_Type, &path, &s->bind_flags[i]))
+            return 0;
+        s->bind_path[i] = PyBytes_AsString(path);
+    }
+    s->n_proc_ro = (int)PyTuple_Size(proc_ro);
+    for (int i = 0; i < s->n_proc_ro; i++) {
+        PyObject *path = PyTuple_GetItem(proc_ro, i);
+        if (!PyBytes_Check(path)) {
+            PyErr_SetString(PyExc_TypeError, "the seal's /proc paths must be bytes");
+            return 0;
+        }
+        s->proc_ro[i] = PyBytes_AsString(path);
+    }
+    s->cwd = PyBytes_AsString(cwd);
+    if (PyBytes_AsStringAndSize(filter, &program, &program_len) != 0)
+        return 0;
+    if (program_len == 0 || program_len % 8 != 0 || program_len / 8 > 4096) {
+        PyErr_SetString(PyExc_ValueError, "the seal's filter must be whole struct sock_filter records");
+        return 0;
+    }
+    s->filter = program;
+    s->filter_len = (unsigned short)(program_len / 8);
+    s->caps = caps;
+    return 1;
+}
+
+/* The memfd the sandbox's PID 1 execs the init from (SEAL_INIT_ELF): made once per process, sealed
+ * against any change, close-on-exec. -1 with a Python error set on failure. */
+static int seal_init_fd = -1;
+
+static int seal_init_memfd(void)
+{
+    if (seal_init_fd >= 0)
+        return seal_init_fd;
+    /* MFD_CLOEXEC | MFD_ALLOW_SEALING, and MFD_EXEC (Linux 6.3: where vm.memfd_noexec asks for it) */
+    int fd = (int)syscall(SYS_memfd_create, "cgturn-init", 0x1U | 0x2U | 0x10U);
+    if (fd < 0 && errno == EINVAL)
+        fd = (int)syscall(SYS_memfd_create, "cgturn-init", 0x1U | 0x2U);
+    if (fd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    size_t done = 0;
+    while (done < sizeof SEAL_INIT_ELF) {
+        ssize_t n = write(fd, SEAL_INIT_ELF + done, sizeof SEAL_INIT_ELF - done);
+        if (n <= 0 && errno != EINTR) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            close(fd);
+            return -1;
+        }
+        if (n > 0)
+            done += (size_t)n;
+    }
+    /* F_ADD_SEALS: F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE */
+    if (raw_fcntl(fd, 1033, 0x1 | 0x2 | 0x4 | 0x8) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        close(fd);
+        return -1;
+    }
+    seal_init_fd = fd;
+    return fd;
+}
+
 /* Step 1, parse: the argument tuple into `rq`, `chk` (a checked spawn's target) and the plain ints
  * of `c`. 0 with a Python error set on failure. */
 static int parse_request(PyObject *a, struct request *rq, struct checked *chk, struct child *c,
                          struct held *h)
 {
     PyObject *cgroup_obj, *expected;
-    if (!PyArg_ParseTuple(a, "OOpOOOOiiiiiippiiOO:spawn", &rq->args, &rq->exec_list, &c->close_fds,
+    if (!PyArg_ParseTuple(a, "OOpOOOOiiiiiippiiOO|O:spawn", &rq->args, &rq->exec_list, &c->close_fds,
                           &rq->keep_seq, &rq->cwd_obj, &rq->env_obj, &rq->extra_obj, &c->p2cread,
                           &c->p2cwrite, &c->c2pread, &c->c2pwrite, &c->errread, &c->errwrite,
                           &c->restore_signals, &c->start_new_session, &c->process_group,
-                          &c->umask_value, &cgroup_obj, &rq->join_seq))
+                          &c->umask_value, &cgroup_obj, &rq->join_seq, &rq->seal_obj))
         return 0;
     rq->cgroup_fd = -1;
     if (PyTuple_Check(cgroup_obj)) {
@@ -804,6 +1204,8 @@ static long clone_request(const struct request *rq, const struct checked *chk, s
     struct clone_args_v2 cl;
     memset(&cl, 0, sizeof cl);
     cl.flags = CLONE_VM | CLONE_VFORK | (rq->cgroup_fd >= 0 || chk->path ? CLONE_INTO_CGROUP : 0);
+    if (c->seal)  /* it is PID 1 there; it execs the init (seal_enter) */
+        cl.flags |= CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC;
     cl.exit_signal = SIGCHLD;
     cl.stack = (uint64_t)(uintptr_t)stack;
     cl.stack_size = CHILD_STACK_SIZE;
@@ -879,10 +1281,19 @@ static PyObject *spawn(PyObject *self, PyObject *a)
     memset(&chk, 0, sizeof chk);
     memset(&c, 0, sizeof c);
     memset(&h, 0, sizeof h);
+    struct seal seal;
+    memset(&seal, 0, sizeof seal);
     c.failure = &failure;
     h.errfds[0] = h.errfds[1] = -1;
     PyObject *result = NULL;
-    if (parse_request(a, &rq, &chk, &c, &h) && convert_request(&rq, &chk, &c, &h)) {
+    int parsed = parse_request(a, &rq, &chk, &c, &h);
+    if (parsed && rq.seal_obj && rq.seal_obj != Py_None) {
+        parsed = parse_seal(rq.seal_obj, &seal);
+        c.seal = &seal;
+    }
+    if (parsed && c.seal && ((seal.init_fd = seal_init_memfd()) < 0 || !(seal.target_stack = take_stack())))
+        parsed = 0;
+    if (parsed && convert_request(&rq, &chk, &c, &h)) {
         long pid = clone_request(&rq, &chk, &c, &h);
         if (pid == CHANGED) {
             result = Py_NewRef(Py_None);
@@ -896,6 +1307,8 @@ static PyObject *spawn(PyObject *self, PyObject *a)
             result = child_result(pid, h.errfds[0], &failure);
         }
     }
+    if (seal.target_stack)
+        give_stack(seal.target_stack);
     release_held(&h);
     return result;
 }

@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .backends import guard_state, spawn_paths
+from .backends import guard_state, seal, spawn_paths
 from .kernel import posix_spawn
 from .kernel import spawn as kspawn
 
@@ -78,6 +78,24 @@ def forced_spawn_path(path: str) -> Iterator[None]:
     finally:
         for flag, value in saved.items():
             setattr(spawn_paths, flag, value)
+
+
+def native_seal_works() -> bool:
+    """Whether a sealed spawn on the clone3 path builds its sandbox in the C extension here (else it
+    execs bubblewrap): docs/security.md."""
+    return seal.native_works()
+
+
+@contextlib.contextmanager
+def forced_bubblewrap_seal() -> Iterator[None]:
+    """Make sealed spawns exec bubblewrap on every path until the block ends, as where the
+    extension's sandbox cannot be built."""
+    saved = seal.native_works
+    seal.native_works = lambda: False  # restored below
+    try:
+        yield
+    finally:
+        seal.native_works = saved
 
 
 def guard_pressing(manager: TurnManager) -> dict[str, Any] | None:

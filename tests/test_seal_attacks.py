@@ -162,8 +162,9 @@ def finish(turn, proc) -> list[int]:
 
 
 def sandboxed_target(turn, program: str = PY, timeout: float = 10.0) -> int:
-    """The host pid of the target of a sealed spawn, once it runs `program` (bubblewrap and its init,
-    members of the turn too, run bwrap)."""
+    """The host pid of the target of a sealed spawn, once it runs `program` (the sandbox's init, a
+    member of the turn too, is PID 1 of the namespace: bubblewrap, or a copy of the caller, whose
+    cmdline is the caller's)."""
     found: list[int] = []
 
     def look() -> bool:
@@ -171,9 +172,10 @@ def sandboxed_target(turn, program: str = PY, timeout: float = 10.0) -> int:
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     argv0 = f.read().split(b"\0")[0].decode()
+                init = ns_pids(pid)[-1] == 1
             except OSError:
                 continue
-            if argv0 == program:
+            if argv0 == program and not init:
                 found.append(pid)
                 return True
         return False
@@ -188,10 +190,16 @@ def ns_pids(pid: int) -> list[int]:
         return [int(v) for line in f if line.startswith("NSpid:") for v in line.split()[1:]]
 
 
-@pytest.fixture(autouse=True, params=["clone3", "shim"])
+@pytest.fixture(autouse=True, params=["clone3", "clone3-bwrap", "shim"])
 def spawn_path(request, monkeypatch):
-    """Every attack on both ways a sealed spawn starts: cloned into the turn, or through the gated shim."""
-    force_spawn_path(monkeypatch, request.param)
+    """Every attack on every way a sealed spawn starts: cloned into the turn with the extension's own
+    sandbox, cloned and then bubblewrap (where that sandbox cannot be built), or the gated shim and
+    bubblewrap."""
+    from cgturn.backends import seal
+
+    force_spawn_path(monkeypatch, request.param.split("-")[0])
+    if request.param == "clone3-bwrap":
+        monkeypatch.setattr(seal, "native_works", lambda: False)
     return request.param
 
 

@@ -8,7 +8,7 @@ Paths, preferred first:
 - "shim": the gated /bin/sh shim (shim.py, gates.py): works everywhere, honours every option.
 
 A request goes to the first path that can honour it: which Popen options each path honours is the one
-table in spawn_options.py; a sealed turn takes clone3 (which execs the seal's chain, seal.py) or the
+table in spawn_options.py; a sealed turn takes clone3 (whose child builds the seal's sandbox, seal.py) or the
 shim, and a turn with only a network of its own always takes the shim. Taking the
 shim because of an option logs one debug line naming it. posix_spawn also hands over what it finds
 it cannot do once Popen has arranged the request (kernel/posix_spawn.py). On
@@ -134,26 +134,36 @@ def spawn(record: "TurnRecord", where: SpawnTarget, meta: MetadataStore, hooks: 
     return shim.spawn(record, where, meta, hooks, argv, popen_kwargs)
 
 
-# Spawn options a sealed spawn's chain takes care of itself (bubblewrap's binds, setpriv).
+# Spawn options a sealed spawn's chain takes care of itself (the sandbox's binds, setpriv).
 SEALED_KWARGS = ("writable", *IDENTITY_KWARGS)
 
 
 def _spawn_sealed(record: "TurnRecord", where: SpawnTarget, meta: MetadataStore, hooks: ShimHooks, argv,
                   popen_kwargs: dict) -> "subprocess.Popen | None":
-    """A sealed spawn the native way: the child is cloned into the turn and execs the seal's chain
-    ([nsenter →] bwrap [→ setpriv] → the target), so no shim and no gate. None as _spawn_native.
+    """A sealed spawn the native way: the child is cloned into the turn and builds the sandbox itself
+    (seal.native: the extension's PID 1, then [setpriv →] the target), or, where the extension
+    cannot (seal.native_works), execs the bubblewrap chain ([nsenter →] bwrap [→ setpriv] → the
+    target). No shim and no gate either way. None as _spawn_native.
 
     Raises:
         as _spawn_native; ValueError for a refused writable path or identity (nothing started).
     """
     argv, program, kwargs, identity = prepare_spawn(argv, {k: v for k, v in popen_kwargs.items() if k != "writable"})
-    steps, sealed_fd = seal.steps(popen_kwargs.get("writable"), kwargs.get("cwd"), identity)
-    fds = [sealed_fd]
+    fds: list[int] = []
     try:
-        if record.network != "host":
-            fds.append(hooks.network_fd())
-            steps = isolation.enter_network(fds[-1]) + steps
-        kwargs["pass_fds"] = (*kwargs.get("pass_fds", ()), *fds)
+        if seal.native_works():
+            netns = -1
+            if record.network != "host":
+                fds.append(hooks.network_fd())
+                netns = fds[-1]  # entered by the child's PID 1 (setns), closed by its target
+            kwargs["seal"], steps = seal.native(popen_kwargs.get("writable"), kwargs.get("cwd"), identity, netns)
+        else:
+            steps, sealed_fd = seal.steps(popen_kwargs.get("writable"), kwargs.get("cwd"), identity)
+            fds.append(sealed_fd)
+            if record.network != "host":
+                fds.append(hooks.network_fd())
+                steps = isolation.enter_network(fds[-1]) + steps
+            kwargs["pass_fds"] = (*kwargs.get("pass_fds", ()), *fds)
         return _spawn_native(record, where, meta, CLONE3, [*steps, program, *argv[1:]], kwargs)
     finally:
         for fd in fds:
@@ -188,6 +198,10 @@ def _spawn_native(record: "TurnRecord", where: SpawnTarget, meta: MetadataStore,
                   extra=turn_fields(record.task_id, record.turn_id))
         return None
     except kspawn.CloneUnsupported as err:
+        if "seal" in kwargs:  # the sandbox's namespaces were refused, not clone3 into a cgroup
+            log.info("a sealed clone refused by the kernel (%s); sealing with bubblewrap from now on", err)
+            seal.native_refused()
+            return None
         log.info("%s into a cgroup refused by the kernel (%s); spawning through the shim", way, err)
         if way == CLONE3:
             can_clone3 = False

@@ -170,8 +170,10 @@ class CgroupPopen(subprocess.Popen):
     key, expected value) for a checked spawn (see `spawn_if_unchanged`).
     Options it cannot honour (preexec_fn, user, group, extra_groups) raise ValueError."""
 
-    def __init__(self, args, *, cgroup, join_fds=(), extra_env: tuple[bytes, ...] = (), **kwargs):
-        self._cgroup, self._join_fds, self._extra_env = cgroup, tuple(join_fds), extra_env
+    def __init__(self, args, *, cgroup, join_fds=(), extra_env: tuple[bytes, ...] = (), seal: tuple | None = None,
+                 **kwargs):
+        # seal: a sealed turn's sandbox, built by the extension's child (backends/seal.py, native)
+        self._cgroup, self._join_fds, self._extra_env, self._seal = cgroup, tuple(join_fds), extra_env, seal
         fds_to_keep(kwargs.get("pass_fds", ()))  # refused before Popen makes a pipe, as Popen refuses them
         super().__init__(args, **kwargs)
 
@@ -203,7 +205,7 @@ class CgroupPopen(subprocess.Popen):
                 args, executable_list, close_fds, keep,
                 None if cwd is None else os.fsencode(cwd), env_list, self._extra_env,
                 p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
-                restore_signals, start_new_session, process_group, umask, self._cgroup, self._join_fds)
+                restore_signals, start_new_session, process_group, umask, self._cgroup, self._join_fds, self._seal)
         except OSError as err:
             if err.errno in UNSUPPORTED and err.filename is None:
                 raise CloneUnsupported(err.errno, f"clone3(CLONE_INTO_CGROUP): {err.strerror}") from None

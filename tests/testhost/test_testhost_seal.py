@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from cgturn import Limits
+from cgturn import Limits, testing
 from conftest import wait_until
 from hostlib import systemd_host  # noqa: F401 - the fixture
 from test_seal_attacks import ATTACK
@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.testhost, pytest.mark.usefixtures("systemd_host")]
 
 
 def attacker_pid(turn) -> int:
-    """The host pid of the sealed attacker (bubblewrap and its init are members of the turn too)."""
+    """The host pid of the sealed attacker (the sandbox's init, and bubblewrap where it builds the
+    sandbox, are members of the turn too)."""
     found: list[int] = []
 
     def look() -> bool:
@@ -52,6 +53,9 @@ def test_a_sealed_root_process_cannot_lift_v2_memory_max_or_pids_max(unit_manage
                       text=True, cwd=str(tmp_path))
     mgr.test_procs.append(proc)
     attacker = attacker_pid(turn)
+    if testing.spawn_path_unavailable(testing.CLONE3) is None:   # the extension's sandbox on Linux 6.12
+        assert testing.native_seal_works()
+        assert open(f"/proc/{proc.pid}/cmdline", "rb").read() == b"cgturn-init\0"
     assert os.readlink(f"/proc/{attacker}/ns/mnt") != os.readlink("/proc/1/ns/mnt")  # before any mount call
     proc.stdin.write("go\n")
     proc.stdin.flush()
