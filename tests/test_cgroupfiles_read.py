@@ -7,22 +7,20 @@ from __future__ import annotations
 
 import os
 import subprocess
-import uuid
 
 import pytest
 
 from cgturn.kernel import cgroupfiles
-from conftest import destroy_cgroup_tree, need_cgroup2, wait_until
+from conftest import wait_until
 
 SHIM = 'echo $$ > "$0" || exit 125; exec "$@"'
 
 
 @pytest.fixture
-def test_cgroup():
-    path = os.path.join(need_cgroup2(), f"cgturn-test-{uuid.uuid4().hex[:10]}")
-    os.mkdir(path)
-    yield path
-    destroy_cgroup_tree(path)
+def test_cgroup(cgroup2_root):
+    """The test's own cgroup (conftest's cgroup2_root, made here; its teardown kills and removes it)."""
+    os.mkdir(cgroup2_root)
+    return cgroup2_root
 
 
 def _procs(path: str) -> str:
@@ -30,7 +28,7 @@ def _procs(path: str) -> str:
         return f.read()
 
 
-@pytest.mark.parametrize("count", [1, 800])  # 800 pids: several KiB, past a page of the kernel's buffer
+@pytest.mark.parametrize("count", [1, 1000])  # 1000 pids of 4+ digits: past a page of the kernel's buffer
 def test_read_text_is_the_whole_file(test_cgroup, count):
     procs = os.path.join(test_cgroup, "cgroup.procs")
     tree = ["sleep", "120"] if count == 1 else \
