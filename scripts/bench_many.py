@@ -23,9 +23,9 @@ and on Ctrl-C/SIGTERM (every turn is killed by that removal). Run as root:
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +33,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
+from bench_many_floors import PS_FILES, TURNS_FILES, floor_reads, floor_tree, interpreter_start  # noqa: E402
 from bench_many_procs import abandon_elsewhere, cli_wall, print_pairs, side_by_side  # noqa: E402
 from benchlib import bench_root, destroy, floor_abandon, ms  # noqa: E402
 
@@ -85,85 +86,39 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def floor_tree(parent: str, n: int, tasks: int) -> tuple[float, float]:
-    """mkdir of n empty cgroups in `tasks` parents, then their rmdir: (mkdir seconds, rmdir seconds)."""
-    per = n // tasks
-    os.mkdir(parent)
-    t0 = time.perf_counter()
-    for t in range(tasks):
-        os.mkdir(os.path.join(parent, f"t{t}"))
-        for u in range(per):
-            os.mkdir(os.path.join(parent, f"t{t}", f"u{u}"))
-    made = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for t in range(tasks):
-        for u in range(per):
-            os.rmdir(os.path.join(parent, f"t{t}", f"u{u}"))
-        os.rmdir(os.path.join(parent, f"t{t}"))
-    removed = time.perf_counter() - t0
-    os.rmdir(parent)
-    return made, removed
+class CollectorTime:
+    """Seconds Python's cyclic garbage collector ran while installed (gc.callbacks): how much of a timed
+    call the owner's collector took, which grows with the objects the owner holds."""
+
+    def __init__(self) -> None:
+        self.seconds, self.runs, self._began = 0.0, 0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._began
+            self.runs += 1
 
 
-# What each view must read per turn, as files relative to the turn's directory: the kernel floor of
-# `turns()` (its pids, its cpu.stat) and of `ps` (also frozen, from cgroup.events, and the three
-# pressure files). The record (an xattr) and each process's /proc/PID/statm (its RSS, where the turn has
-# no memory controller, as on a hybrid host) come on top, read by `floor_reads`.
-TURNS_FILES = ("cgroup.procs", "cpu.stat")
-PS_FILES = TURNS_FILES + ("cgroup.events", "cpu.pressure", "memory.pressure", "io.pressure")
-RECORD_XATTR = "user.cgturn"
-
-
-def floor_reads(root: str, files: tuple[str, ...], record: bool, rss: bool) -> tuple[float, int]:
-    """The kernel's own cost of a listing: per turn, open + read + close of `files` (relative to the
-    open task directory: the cheapest way to name them), getxattr of its record when `record`, one
-    /proc/PID/statm per process when `rss` (needs cgroup.procs in `files`); no parsing.
-    Returns (seconds, pids seen)."""
-    t0 = time.perf_counter()
-    seen = 0
-    pids: list[bytes] = []
-    for task in os.scandir(root):
-        if not task.is_dir():
-            continue
-        task_fd = os.open(task.path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            for turn in os.scandir(task.path):
-                if not turn.is_dir():
-                    continue
-                for name in files:
-                    fd = os.open(f"{turn.name}/{name}", os.O_RDONLY, dir_fd=task_fd)
-                    try:
-                        data = os.read(fd, 65536)
-                    finally:
-                        os.close(fd)
-                    if name == "cgroup.procs":
-                        pids = data.split()
-                        seen += len(pids)
-                if record:
-                    os.getxattr(turn.path, RECORD_XATTR)
-                for pid in pids if rss else ():
-                    fd = os.open(b"/proc/" + pid + b"/statm", os.O_RDONLY)
-                    os.read(fd, 4096)
-                    os.close(fd)
-        finally:
-            os.close(task_fd)
-    return time.perf_counter() - t0, seen
-
-
-def interpreter_start() -> float:
-    """Wall time of `python3 -c pass` (with site, as a user's `cgturn` starts): part of a CLI's floor."""
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "pass"], check=True)
-    return time.perf_counter() - t0
-
-
-def abandon_one(mgr: TurnManager, task: str, turn_id: str) -> float:
-    """abandon(grace=0) of a fresh turn holding one sleeping process."""
+def abandon_one(mgr: TurnManager, task: str, turn_id: str, collector: CollectorTime | None = None,
+                gc_off: bool = False) -> float:
+    """abandon(grace=0) of a fresh turn holding one sleeping process; the time the garbage collector
+    took meanwhile is added to `collector`; with `gc_off` the collector is off for the abandon."""
     turn = mgr.begin_turn(task, turn_id)
     proc = turn.spawn(SLEEP)
+    if collector is not None:
+        gc.callbacks.append(collector)
+    if gc_off:
+        gc.disable()
     t0 = time.perf_counter()
-    result = turn.abandon("bench", grace=0)
-    elapsed = time.perf_counter() - t0
+    try:
+        result = turn.abandon("bench", grace=0)
+        elapsed = time.perf_counter() - t0
+    finally:
+        gc.enable()
+        if collector is not None:
+            gc.callbacks.remove(collector)
     proc.wait()
     if result.killed != [proc.pid]:
         raise RuntimeError(f"abandon killed {result.killed}, not [{proc.pid}]")
@@ -242,7 +197,13 @@ def main() -> int:
             time.sleep(args.idle)  # the measured interval itself: the owner does nothing meanwhile
             fig["sentinel_idle_cpu"] = (cpu_seconds(sentinel_pid) - cpu0) / (time.monotonic() - w0)
             # One turn among all the others, in a task of its own so no other turn shares its parent.
-            fig["abandon_among"] = statistics.median(abandon_one(mgr, "one-among", f"a{i}") for i in range(ABANDONS))
+            collector = CollectorTime()
+            among = [abandon_one(mgr, "one-among", f"a{i}", collector) for i in range(ABANDONS)]
+            fig["abandon_among"] = statistics.median(among)
+            fig["among_gc_seconds"], fig["among_gc_runs"] = collector.seconds / ABANDONS, collector.runs
+            # The same with the collector off: what the N held objects cost through it.
+            fig["among_gc_off"] = statistics.median(abandon_one(mgr, "one-among", f"g{i}", gc_off=True)
+                                                    for i in range(ABANDONS))
             # The kernel's own abandon of one process while the N others exist: what the N cost it.
             fig["floor_among"] = statistics.median(floor_abandon(os.path.join(base, "floor"), 1)
                                                    for _ in range(ABANDONS))
@@ -317,6 +278,10 @@ def print_table(fig: Figures, n: int, tasks: int, total: float) -> None:
         alone / floor, "-", True, "abandon_alone")
     row(f"among {n:,} / alone", f"{among / alone:.2f}x", f"{floor_among / floor:.2f}x (the kernel's)", None,
         "<= 1.3x", among <= 1.3 * alone)
+    row(f"abandon 1 turn among {n:,}: the owner's garbage collector meanwhile (mean)",
+        f"{ms(fig['among_gc_seconds']):.2f} ms", f"{fig['among_gc_runs']:.0f} runs in {ABANDONS}", None, "-", True)
+    row(f"abandon 1 turn among {n:,}, the owner's garbage collector off", f"{ms(fig['among_gc_off']):.2f} ms",
+        f"{ms(floor_among):.2f} ms", fig["among_gc_off"] / floor_among, "-", True, "among_gc_off")
     row(f"control: the same abandon by a fresh process holding no turn, among {n:,} / alone",
         f"{ms(fig['elsewhere_among']):.2f} / {ms(fig['elsewhere_alone']):.2f} ms", "-",
         fig["elsewhere_among"] / fig["elsewhere_alone"], "-", True, "elsewhere_among")
