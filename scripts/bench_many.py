@@ -197,13 +197,16 @@ def main() -> int:
             time.sleep(args.idle)  # the measured interval itself: the owner does nothing meanwhile
             fig["sentinel_idle_cpu"] = (cpu_seconds(sentinel_pid) - cpu0) / (time.monotonic() - w0)
             # One turn among all the others, in a task of its own so no other turn shares its parent.
-            collector = CollectorTime()
-            among = [abandon_one(mgr, "one-among", f"a{i}", collector) for i in range(ABANDONS)]
-            fig["abandon_among"] = statistics.median(among)
+            # Alternating with the same abandon with the collector off (what the N held objects cost
+            # through it), so both see the same moment: the first abandons after the idle interval
+            # are not the others'.
+            collector, among, gc_off = CollectorTime(), [], []
+            for i in range(ABANDONS):
+                among.append(abandon_one(mgr, "one-among", f"a{i}", collector))
+                gc_off.append(abandon_one(mgr, "one-among", f"g{i}", gc_off=True))
+            fig["abandon_among"], fig["among_gc_off"] = statistics.median(among), statistics.median(gc_off)
             fig["among_gc_seconds"], fig["among_gc_runs"] = collector.seconds / ABANDONS, collector.runs
-            # The same with the collector off: what the N held objects cost through it.
-            fig["among_gc_off"] = statistics.median(abandon_one(mgr, "one-among", f"g{i}", gc_off=True)
-                                                    for i in range(ABANDONS))
+            fig["among_first"] = among[0]  # the first abandon after the idle interval
             # The kernel's own abandon of one process while the N others exist: what the N cost it.
             fig["floor_among"] = statistics.median(floor_abandon(os.path.join(base, "floor"), 1)
                                                    for _ in range(ABANDONS))
@@ -278,6 +281,8 @@ def print_table(fig: Figures, n: int, tasks: int, total: float) -> None:
         alone / floor, "-", True, "abandon_alone")
     row(f"among {n:,} / alone", f"{among / alone:.2f}x", f"{floor_among / floor:.2f}x (the kernel's)", None,
         "<= 1.3x", among <= 1.3 * alone)
+    row(f"abandon 1 turn among {n:,}: the first one after the idle interval", f"{ms(fig['among_first']):.2f} ms",
+        "-", None, "-", True)
     row(f"abandon 1 turn among {n:,}: the owner's garbage collector meanwhile (mean)",
         f"{ms(fig['among_gc_seconds']):.2f} ms", f"{fig['among_gc_runs']:.0f} runs in {ABANDONS}", None, "-", True)
     row(f"abandon 1 turn among {n:,}, the owner's garbage collector off", f"{ms(fig['among_gc_off']):.2f} ms",
