@@ -68,11 +68,13 @@ def recover(control: TurnControl) -> list[RecoveryAction]:
     actions: list[RecoveryAction] = []
     backend = control.backend
     guard_alive = guard_state.live(backend) is not None
+    owners = _Owners(control)
     for rec in backend.records():
         if rec.state in (RUNNING, COMPLETED):
-            control.check_limits(rec.task_key, rec.turn_key)  # limit kills nobody has audited yet
+            # Limit kills nobody has audited yet; `rec` as just read, so the record is not read twice.
+            control.check_limits(rec.task_key, rec.turn_key, rec=rec)
         try:
-            action = _recover_one(control, rec)
+            action = _recover_one(control, rec, owners)
             if action is None and not guard_alive and rec.frozen_by == GUARD:
                 action = _thaw_orphan(control, rec)
         except CgturnError as err:
@@ -93,6 +95,25 @@ def recover(control: TurnControl) -> list[RecoveryAction]:
         actions.append(RecoveryAction(REMOVED_V1, "", "", path=path))
     _sweep_notes(control.state_dir)
     return actions
+
+
+class _Owners:
+    """Whether each owner (pid + start time) lives, looked at once per pass: a gateway owns all its
+    turns, so one /proc read answers for thousands of them. An owner that dies during the pass is
+    seen by the next one, as it would be had it died just after its look; one seen gone stays gone
+    (a pid with the same start time does not come back)."""
+
+    def __init__(self, control: TurnControl):
+        self.control = control
+        self.seen: dict[tuple[int | None, int | None], bool] = {}
+
+    def alive(self, rec: TurnRecord) -> bool:
+        """`control.owner_alive(rec)`, once per owner. Raises AccessDenied (not remembered: asked again)."""
+        key = (rec.owner_pid, rec.owner_start)
+        found = self.seen.get(key)
+        if found is None:
+            found = self.seen[key] = self.control.owner_alive(rec)
+        return found
 
 
 def _sweep_notes(state_dir: str) -> None:
@@ -126,10 +147,10 @@ def _thaw_orphan(control: TurnControl, rec: TurnRecord) -> RecoveryAction | None
     return RecoveryAction(THAWED_ORPHAN, rec.task_id, rec.turn_id, GUARD)
 
 
-def _recover_one(control: TurnControl, rec: TurnRecord) -> RecoveryAction | None:
+def _recover_one(control: TurnControl, rec: TurnRecord, owners: _Owners) -> RecoveryAction | None:
     if rec.state == RUNNING:
         try:
-            alive = control.owner_alive(rec)
+            alive = owners.alive(rec)
         except AccessDenied as err:
             return RecoveryAction(OWNER_UNKNOWN, rec.task_id, rec.turn_id, error=str(err))
         if alive:

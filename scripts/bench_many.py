@@ -8,7 +8,10 @@ one sentinel (started before the first turn, so every turn is tracked for owner 
 100-turn task, the owner's RSS per live turn, the sentinel's RSS and its CPU use while idle over 30 s,
 and the abandon of one turn among N against the same abandon with no others (and the kernel floor:
 cgroup.kill, re-read `cgroup.events` until `populated 0`, rmdir). The kernel floor of the whole tree:
-mkdir of N cgroups (in a raw directory beside the managed root) and reading the N turns' cgroup.procs.
+mkdir of N cgroups (in a raw directory beside the managed root), and for each view the files it must
+read per turn with bare os.open/os.read relative to the task directory (`turns()`: cgroup.procs,
+cpu.stat, the record's xattr, /proc/PID/statm; `ps` also cgroup.events and the three pressure files;
+`reap` the records). Every figure is printed with the load average when it was taken.
 
 Run by hand, not in CI (it costs N processes): mind `pid_max` (the bench refuses to start without
 N + 2,000 free pids) and RLIMIT_NOFILE (cgturn holds no fd per turn; the bench prints how many it
@@ -20,9 +23,9 @@ and on Ctrl-C/SIGTERM (every turn is killed by that removal). Run as root:
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +33,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
+from bench_many_floors import PS_FILES, TURNS_FILES, floor_reads, floor_tree, interpreter_start  # noqa: E402
+from bench_many_procs import abandon_elsewhere, cli_wall, print_pairs, side_by_side  # noqa: E402
 from benchlib import bench_root, destroy, floor_abandon, ms  # noqa: E402
 
 from cgturn import Supervisor, TurnManager  # noqa: E402
@@ -62,66 +67,58 @@ def free_pids() -> int:
     return pid_max - sum(1 for name in os.listdir("/proc") if name.isdigit())
 
 
+class Figures(dict):
+    """The figures by name, each with the 1-minute load average when it was taken (`load[name]`): on a
+    shared machine a figure means little without the load it was taken at."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.load: dict[str, float] = {}
+
+    def __setitem__(self, name: str, value: float) -> None:
+        super().__setitem__(name, value)
+        self.load[name] = os.getloadavg()[0]
+
+
 def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
 
 
-def cli_wall(root: str, state: str, *args: str) -> float:
-    """Wall time of `python -m cgturn --root ROOT --state-dir STATE ARGS` (must exit 0)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.path.join(HERE, ".."),
-                                                                   os.environ.get("PYTHONPATH")) if p))
-    argv = [sys.executable, "-m", "cgturn", "--root", root, "--state-dir", state, *args]
-    t0 = time.perf_counter()
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
-    elapsed = time.perf_counter() - t0
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)}: exit {out.returncode}: {out.stderr.strip()[-300:]}")
-    return elapsed
+class CollectorTime:
+    """Seconds Python's cyclic garbage collector ran while installed (gc.callbacks): how much of a timed
+    call the owner's collector took, which grows with the objects the owner holds."""
+
+    def __init__(self) -> None:
+        self.seconds, self.runs, self._began = 0.0, 0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._began
+            self.runs += 1
 
 
-def floor_tree(parent: str, n: int, tasks: int) -> tuple[float, float]:
-    """mkdir of n empty cgroups in `tasks` parents, then their rmdir: (mkdir seconds, rmdir seconds)."""
-    per = n // tasks
-    os.mkdir(parent)
-    t0 = time.perf_counter()
-    for t in range(tasks):
-        os.mkdir(os.path.join(parent, f"t{t}"))
-        for u in range(per):
-            os.mkdir(os.path.join(parent, f"t{t}", f"u{u}"))
-    made = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for t in range(tasks):
-        for u in range(per):
-            os.rmdir(os.path.join(parent, f"t{t}", f"u{u}"))
-        os.rmdir(os.path.join(parent, f"t{t}"))
-    removed = time.perf_counter() - t0
-    os.rmdir(parent)
-    return made, removed
-
-
-def read_all_procs(root: str) -> tuple[float, int]:
-    """Read cgroup.procs of every turn cgroup under the managed root: (seconds, pids seen)."""
-    t0 = time.perf_counter()
-    seen = 0
-    for task in os.scandir(root):
-        if not task.is_dir():
-            continue
-        for turn in os.scandir(task.path):
-            if turn.is_dir():
-                with open(os.path.join(turn.path, "cgroup.procs"), "rb") as f:
-                    seen += len(f.read().split())
-    return time.perf_counter() - t0, seen
-
-
-def abandon_one(mgr: TurnManager, task: str, turn_id: str) -> float:
-    """abandon(grace=0) of a fresh turn holding one sleeping process."""
+def abandon_one(mgr: TurnManager, task: str, turn_id: str, collector: CollectorTime | None = None,
+                gc_off: bool = False) -> float:
+    """abandon(grace=0) of a fresh turn holding one sleeping process; the time the garbage collector
+    took meanwhile is added to `collector`; with `gc_off` the collector is off for the abandon."""
     turn = mgr.begin_turn(task, turn_id)
     proc = turn.spawn(SLEEP)
+    if collector is not None:
+        gc.callbacks.append(collector)
+    if gc_off:
+        gc.disable()
     t0 = time.perf_counter()
-    result = turn.abandon("bench", grace=0)
-    elapsed = time.perf_counter() - t0
+    try:
+        result = turn.abandon("bench", grace=0)
+        elapsed = time.perf_counter() - t0
+    finally:
+        gc.enable()
+        if collector is not None:
+            gc.callbacks.remove(collector)
     proc.wait()
     if result.killed != [proc.pid]:
         raise RuntimeError(f"abandon killed {result.killed}, not [{proc.pid}]")
@@ -133,6 +130,9 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=10_000)
     ap.add_argument("--tasks", type=int, default=100)
     ap.add_argument("--idle", type=float, default=30.0, help="seconds over which the sentinel's idle CPU is measured")
+    ap.add_argument("--base", metavar="TREE", help="a source tree of an earlier version (e.g. a `git worktree` of "
+                    "main): its turns(), ps --json and reap run alternately with this checkout's on the same turns")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds with --base")
     args = ap.parse_args()
     n, tasks = args.turns, args.tasks
     if n % tasks or not 0 < n <= 20_000:
@@ -144,7 +144,8 @@ def main() -> int:
     base = bench_root()
     if base is None:
         return 1
-    fig: dict[str, float] = {}
+    fig = Figures()
+    pairs: dict[str, list[tuple[float, float]]] = {}
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as state:
         os.mkdir(base)
@@ -161,6 +162,7 @@ def main() -> int:
             # Alone, before and after the others exist (the host's load drifts over a long run).
             alone = [abandon_one(mgr, "one-alone", f"b{i}") for i in range(ABANDONS)]
             floor_alone = [floor_abandon(os.path.join(base, "floor"), 1) for _ in range(ABANDONS)]
+            fig["elsewhere_alone"] = abandon_elsewhere(root, state, "elsewhere-alone")
             rss0, fds0 = status_kib("self", "VmRSS"), len(os.listdir("/proc/self/fd"))
             held = []  # the gateway's view: every Turn and its Popen stay referenced
             t0 = time.perf_counter()
@@ -175,24 +177,40 @@ def main() -> int:
             fig["build"] = time.perf_counter() - t0
             fig["owner_rss_per_turn"] = (status_kib("self", "VmRSS") - rss0) * 1024 / n
             fig["owner_fds"] = len(os.listdir("/proc/self/fd")) - fds0
-            fig["floor_read"], seen = read_all_procs(root)
+            fig["floor_procs"], seen = floor_reads(root, ("cgroup.procs",), record=False, rss=False)
             if seen < n:
                 raise RuntimeError(f"only {seen} of {n} processes are in their turns")
+            # Medians of 3, as the figures they are the floors of (the load moves between single reads).
+            fig["floor_turns"] = statistics.median(floor_reads(root, TURNS_FILES, True, True)[0] for _ in range(3))
+            fig["floor_ps"] = statistics.median(floor_reads(root, PS_FILES, True, True)[0] for _ in range(3))
+            fig["floor_reap"] = statistics.median(floor_reads(root, (), True, False)[0] for _ in range(3))
+            fig["interpreter"] = statistics.median(interpreter_start() for _ in range(3))
             listed = []
             fig["turns"] = statistics.median(timed(lambda: listed.append(len(mgr.turns()))) for _ in range(3))
             if listed[-1] < n:
                 raise RuntimeError(f"turns() listed {listed[-1]} of {n}")
             fig["ps"] = statistics.median(cli_wall(root, state, "ps", "--json") for _ in range(2))
             fig["reap"] = cli_wall(root, state, "reap", "--json")
+            pairs = side_by_side(root, state, os.path.abspath(args.base), args.rounds) if args.base else {}
             fig["sentinel_rss"] = status_kib(sentinel_pid, "VmRSS")
             cpu0, w0 = cpu_seconds(sentinel_pid), time.monotonic()
             time.sleep(args.idle)  # the measured interval itself: the owner does nothing meanwhile
             fig["sentinel_idle_cpu"] = (cpu_seconds(sentinel_pid) - cpu0) / (time.monotonic() - w0)
             # One turn among all the others, in a task of its own so no other turn shares its parent.
-            fig["abandon_among"] = statistics.median(abandon_one(mgr, "one-among", f"a{i}") for i in range(ABANDONS))
+            # Alternating with the same abandon with the collector off (what the N held objects cost
+            # through it), so both see the same moment: the first abandons after the idle interval
+            # are not the others'.
+            collector, among, gc_off = CollectorTime(), [], []
+            for i in range(ABANDONS):
+                among.append(abandon_one(mgr, "one-among", f"a{i}", collector))
+                gc_off.append(abandon_one(mgr, "one-among", f"g{i}", gc_off=True))
+            fig["abandon_among"], fig["among_gc_off"] = statistics.median(among), statistics.median(gc_off)
+            fig["among_gc_seconds"], fig["among_gc_runs"] = collector.seconds / ABANDONS, collector.runs
+            fig["among_first"] = among[0]  # the first abandon after the idle interval
             # The kernel's own abandon of one process while the N others exist: what the N cost it.
             fig["floor_among"] = statistics.median(floor_abandon(os.path.join(base, "floor"), 1)
                                                    for _ in range(ABANDONS))
+            fig["elsewhere_among"] = abandon_elsewhere(root, state, "elsewhere-among")
             last = f"task-{tasks - 1:03d}"
             fig["end_task"] = timed(lambda: mgr.end_task(last, grace=0))
             for _, proc in held[-(n // tasks):]:
@@ -213,47 +231,69 @@ def main() -> int:
             finally:
                 mgr.close()
     print_table(fig, n, tasks, time.monotonic() - started)
+    if pairs:
+        print_pairs(pairs, args.base)
     return 0
 
 
-def print_table(fig: dict[str, float], n: int, tasks: int, total: float) -> None:
+def print_table(fig: Figures, n: int, tasks: int, total: float) -> None:
     print(f"cgturn with {n:,} live turns ({tasks} tasks, one sleeping process each) on {os.uname().release}, "
           f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, load {os.getloadavg()[0]:.1f}, "
           f"built in {fig['build']:.0f} s, total {total:.0f} s\n")
-    print("| figure | cgturn | kernel floor | ratio | target | met |")
-    print("|---|---:|---:|---:|---:|---|")
+    print("| figure | cgturn | kernel floor | ratio | target | met | load |")
+    print("|---|---:|---:|---:|---:|---|---:|")
 
-    def row(name: str, value: str, floor: str, ratio: float | None, target: str, met: bool) -> None:
+    def row(name: str, value: str, floor: str, ratio: float | None, target: str, met: bool, key: str = "") -> None:
         shown = f"{ratio:.1f}x" if ratio is not None else "-"
-        print(f"| {name} | {value} | {floor} | {shown} | {target} | {'yes' if met else 'NO'} |")
+        load = f"{fig.load[key]:.1f}" if key in fig.load else "-"
+        print(f"| {name} | {value} | {floor} | {shown} | {target} | {'yes' if met else 'NO'} | {load} |")
 
-    read = fig["floor_read"]
-    row("`turns()` in process", f"{fig['turns']:.2f} s", f"{read:.2f} s (read {n:,} cgroup.procs)",
-        fig["turns"] / read, "<= 0.5 s", fig["turns"] <= 0.5)
-    row("`cgturn ps --json` (wall)", f"{fig['ps']:.2f} s", f"{read:.2f} s", fig["ps"] / read, "<= 1 s", fig["ps"] <= 1)
-    row("`cgturn reap`, nothing to do (wall)", f"{fig['reap']:.2f} s", f"{read:.2f} s", fig["reap"] / read,
-        "<= 2 s", fig["reap"] <= 2)
+    procs, floor_turns, floor_ps, floor_reap = fig["floor_procs"], fig["floor_turns"], fig["floor_ps"], fig["floor_reap"]
+    row(f"read {n:,} cgroup.procs (kernel)", f"{procs:.2f} s", "-", None, "-", True, "floor_procs")
+    row("`turns()` in process", f"{fig['turns']:.2f} s",
+        f"{floor_turns:.2f} s ({', '.join(TURNS_FILES)}, record xattr, statm)", fig["turns"] / floor_turns,
+        "<= 0.5 s", fig["turns"] <= 0.5, "turns")
+    start = fig["interpreter"]
+    row("`python3 -c pass` (an interpreter's start: in every CLI floor)", f"{start:.2f} s", "-", None, "-", True,
+        "interpreter")
+    row("`cgturn ps --json` (wall)", f"{fig['ps']:.2f} s",
+        f"{floor_ps + start:.2f} s (also events, 3 pressure files; + start)", fig["ps"] / (floor_ps + start),
+        "<= 1 s", fig["ps"] <= 1, "ps")
+    row("`cgturn reap`, nothing to do (wall)", f"{fig['reap']:.2f} s", f"{floor_reap + start:.2f} s (the records; + start)",
+        fig["reap"] / (floor_reap + start), "<= 2 s", fig["reap"] <= 2, "reap")
     per = n // tasks
     floor_task = (fig["floor_rmdir"] / n) * per
     row(f"`end_task` of a {per}-turn task", f"{ms(fig['end_task']):.0f} ms", f"{ms(floor_task):.1f} ms (rmdir {per})",
-        fig["end_task"] / floor_task, "-", True)
-    row(f"end the other {tasks - 1} tasks", f"{fig['end_all']:.1f} s", "-", None, "-", True)
+        fig["end_task"] / floor_task, "-", True, "end_task")
+    row(f"end the other {tasks - 1} tasks", f"{fig['end_all']:.1f} s", "-", None, "-", True, "end_all")
     row("owner RSS per live turn (Turn + Popen held)", f"{fig['owner_rss_per_turn'] / 1024:.1f} KiB", "-", None,
         "<= 4 KiB", fig["owner_rss_per_turn"] <= 4096)
     row("owner fds opened while building them", f"{fig['owner_fds']:.0f}", "-", None, "no fd per turn",
         fig["owner_fds"] < min(100, n))
     row("sentinel RSS", f"{fig['sentinel_rss'] / 1024:.1f} MiB", "-", None, "-", True)
     row(f"sentinel CPU while idle ({n:,} tracked)", f"{fig['sentinel_idle_cpu'] * 100:.2f} % of a core", "-", None,
-        "<= 1 %", fig["sentinel_idle_cpu"] <= 0.01)
+        "<= 1 %", fig["sentinel_idle_cpu"] <= 0.01, "sentinel_idle_cpu")
     among, alone, floor = fig["abandon_among"], fig["abandon_alone"], fig["abandon_floor"]
     floor_among = fig["floor_among"]
     row(f"abandon 1 turn among {n:,} (floor: the same kernel steps among them)", f"{ms(among):.2f} ms",
-        f"{ms(floor_among):.2f} ms", among / floor_among, "<= 1.3x alone", among <= 1.3 * alone)
+        f"{ms(floor_among):.2f} ms", among / floor_among, "<= 1.3x alone", among <= 1.3 * alone, "abandon_among")
     row("abandon 1 turn alone (before and after the others)", f"{ms(alone):.2f} ms", f"{ms(floor):.2f} ms",
-        alone / floor, "-", True)
+        alone / floor, "-", True, "abandon_alone")
     row(f"among {n:,} / alone", f"{among / alone:.2f}x", f"{floor_among / floor:.2f}x (the kernel's)", None,
         "<= 1.3x", among <= 1.3 * alone)
-    row(f"mkdir of {n:,} cgroups (kernel)", f"{fig['floor_mkdir']:.2f} s", "-", None, "-", True)
+    row(f"abandon 1 turn among {n:,}: the first one after the idle interval", f"{ms(fig['among_first']):.2f} ms",
+        "-", None, "-", True)
+    row(f"abandon 1 turn among {n:,}: the owner's garbage collector meanwhile (mean)",
+        f"{ms(fig['among_gc_seconds']):.2f} ms", f"{fig['among_gc_runs']:.0f} runs in {ABANDONS}", None, "-", True)
+    row(f"abandon 1 turn among {n:,}, the owner's garbage collector off", f"{ms(fig['among_gc_off']):.2f} ms",
+        f"{ms(floor_among):.2f} ms", fig["among_gc_off"] / floor_among, "-", True, "among_gc_off")
+    row(f"control: the same abandon by a fresh process holding no turn, among {n:,} / alone",
+        f"{ms(fig['elsewhere_among']):.2f} / {ms(fig['elsewhere_alone']):.2f} ms", "-",
+        fig["elsewhere_among"] / fig["elsewhere_alone"], "-", True, "elsewhere_among")
+    row(f"cgturn's own part (abandon - floor): among {n:,} / alone",
+        f"{ms(among - floor_among):.2f} / {ms(alone - floor):.2f} ms", "-",
+        (among - floor_among) / (alone - floor) if alone > floor else None, "-", True)
+    row(f"mkdir of {n:,} cgroups (kernel)", f"{fig['floor_mkdir']:.2f} s", "-", None, "-", True, "floor_mkdir")
     row(f"rmdir of {n:,} empty cgroups (kernel)", f"{fig['floor_rmdir']:.2f} s", "-", None, "-", True)
 
 

@@ -24,6 +24,14 @@ IO_STAT_FILE = "io.stat"
 CGROUP2_SUPER_MAGIC = 0x63677270
 
 
+# A first read(2) shorter than this is the whole file: the read that would only see EOF is spared
+# (one of the four syscalls per file a listing reads). cgroupfs files are seq_files; seq_read_iter
+# (fs/seq_file.c) fills the caller's buffer from its own (a page, or more for one long show) until
+# the records run out or the next one does not fit, so a read that returns well under a page, to a
+# 64 KiB buffer, stopped because there was nothing more: no cgroup file's line is near this long.
+WHOLE_IF_SHORTER = 1024
+
+
 def read_text(path: str, dir_fd: int | None = None) -> str:
     """Read a whole (small) kernel file with raw os.read calls: no buffered-file overhead.
 
@@ -32,11 +40,12 @@ def read_text(path: str, dir_fd: int | None = None) -> str:
     """
     fd = os.open(path, os.O_RDONLY, dir_fd=dir_fd)
     try:
-        chunks = []
-        while True:
+        chunk = os.read(fd, 65536)
+        if len(chunk) < WHOLE_IF_SHORTER:
+            return chunk.decode("ascii", "replace")
+        chunks = [chunk]
+        while chunk:
             chunk = os.read(fd, 65536)
-            if not chunk:
-                break
             chunks.append(chunk)
         return b"".join(chunks).decode("ascii", "replace")
     finally:
