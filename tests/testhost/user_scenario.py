@@ -9,8 +9,8 @@ whose tools this host has, and is abandoned; a second turn starts a server and c
 process exits leaving the server running. Prints one JSON object.
 
 With `--die`: one turn launches the environment-clearing escaper (the one the registry misses), the
-manager's sentinel is attached, and this process prints one JSON object and SIGKILLs itself, so only
-the sentinel can abandon the turn.
+manager's sentinel is started (`Supervisor.start_sentinel`), and this process prints one JSON object
+and SIGKILLs itself, so only the sentinel can abandon the turn.
 """
 import json
 import os
@@ -23,7 +23,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: escapers
 
 import escapers  # noqa: E402
-from cgturn import Limits, TurnManager, attach_sentinel, doctor_report  # noqa: E402
+from cgturn import Limits, Supervisor, TurnManager, doctor_report  # noqa: E402
 
 
 def cgroup_of(pid) -> str:
@@ -34,12 +34,13 @@ def cgroup_of(pid) -> str:
 def die() -> None:
     mgr = TurnManager()
     turn = mgr.begin_turn("killed", "t1")
-    sentinel = attach_sentinel(mgr)  # after the first turn: forked from this process, inside the scope
+    # After the first turn, so forked from this process inside the scope; it tracks the turn begun.
+    sentinel = Supervisor.start_sentinel(mgr)
     escaper = escapers.recipes(tempfile.gettempdir())["env_cleared"]
     escaper.log = os.devnull  # this process leaves nothing to clean up: it is killed
     pids = escapers.launch(turn, escaper)
     print(json.dumps({"pid": os.getpid(), "own": cgroup_of("self"), "state_dir": mgr.state_dir,
-                      "sentinel": sentinel.pid, "sentinel_cgroup": cgroup_of(sentinel.pid),
+                      "sentinel": sentinel, "sentinel_cgroup": cgroup_of(sentinel),
                       "marker": escaper.marker, "escaper_pids": pids,
                       "escaper_cgroups": sorted({cgroup_of(p) for p in pids})}), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
