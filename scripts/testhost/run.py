@@ -154,7 +154,8 @@ def report_costs(results: str, boot_seconds: float | None, console_path: str) ->
     with open(console_path, "rb") as f:
         text = f.read().decode("utf-8", "replace")
     parts += [line.split("cost: ", 1)[1].strip() for line in text.splitlines() if "cgturn-testhost: cost: " in line]
-    log("cost: " + ", ".join(parts))
+    if parts:
+        log("cost: " + ", ".join(parts))
     for path, seconds in test_file_costs(os.path.join(results, "junit.xml")):
         log(f"cost: {seconds:6.1f} s  {path}")
 
