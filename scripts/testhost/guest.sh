@@ -40,15 +40,19 @@ if [ -f "$job/pytest-args.sh" ]; then
     # pytest-args.sh sets the positional parameters ("set -- ..."), quoted by the host.
     . "$job/pytest-args.sh"
     echo "cgturn-testhost: python3 -m pytest $*"
+    started=$(date +%s)
     # POSIX sh has no pipefail: the status goes to a file, where tee cannot hide it.
     { python3 -m pytest --junitxml="$out/junit.xml" "$@"; echo $? > "$out/.pytest-status"; } 2>&1 \
         | tee "$out/pytest.log"
     status=$(cat "$out/.pytest-status" 2>/dev/null || echo 1)
+    echo "cgturn-testhost: cost: pytest $(( $(date +%s) - started )) s"
 fi
 echo "$status" > "$out/status"
 if [ -f "$job/bench" ]; then
     echo "cgturn-testhost: scripts/testhost/bench_systemd_run.py"
+    started=$(date +%s)
     python3 scripts/testhost/bench_systemd_run.py 2>&1 | tee "$out/bench.txt"
+    echo "cgturn-testhost: cost: bench $(( $(date +%s) - started )) s"
 fi
 journalctl -b --no-pager -o short-monotonic > "$out/journal.txt" 2>&1
 sync

@@ -15,6 +15,7 @@ Exit status: pytest's inside the guest; 1 when the image cannot be built or the 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import select
 import shlex
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ElementTree
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import image  # noqa: E402  (this directory's module, not a package)
@@ -36,6 +38,8 @@ DEFAULT_TESTS = ["-v", "tests/testhost", "tests/test_aio_spawn.py"]
 # QEMU aborts on an MSR or the guest hits emulation failures) must not cost more than this.
 KVM_BOOT_LIMIT = 25.0
 KVM_RUN_LIMIT = 300.0
+# Seconds from QEMU's start to the guest's job, of the last boot that got there (report_costs).
+BOOT_SECONDS: float | None = None
 # A guest kernel that dies under TCG (an emulator fault, see main) gets one more boot.
 TCG_ATTEMPTS = 2
 KERNEL_ARGS = ("root=/dev/vda rw console=ttyS0 panic=-1 quiet loglevel=3 systemd.show_status=false "
@@ -97,6 +101,7 @@ def boot(argv: list[str], console, deadline: float, boot_limit: float | None) ->
     Returns (what happened, QEMU's exit code): "exited", "no-boot" (boot_limit passed before the job
     started) or "timeout".
     """
+    global BOOT_SECONDS
     started = time.monotonic()
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     seen_job = False
@@ -120,11 +125,39 @@ def boot(argv: list[str], console, deadline: float, boot_limit: float | None) ->
             buf = (buf + chunk)[-4096:]
             if not seen_job and JOB_STARTED in buf:
                 seen_job = True
-                log(f"guest job started {time.monotonic() - started:.0f} s after boot")
+                BOOT_SECONDS = time.monotonic() - started
+                log(f"guest job started {BOOT_SECONDS:.0f} s after boot")
     finally:
         if proc.poll() is None:
             proc.kill()  # the QEMU process this function started, by its own handle
         proc.wait()
+
+
+def test_file_costs(junit_path: str) -> list[tuple[str, float]]:
+    """Seconds per test file from pytest's junit XML (fixtures included), the costliest first; [] when
+    there is none (the guest reported nothing) or it cannot be read."""
+    try:
+        tree = ElementTree.parse(junit_path)
+    except (OSError, ElementTree.ParseError):
+        return []
+    costs: collections.Counter[str] = collections.Counter()
+    for case in tree.iter("testcase"):
+        path = case.get("classname", "?").replace(".", "/") + ".py"
+        costs[path] += float(case.get("time") or 0.0)
+    return costs.most_common()
+
+
+def report_costs(results: str, boot_seconds: float | None, console_path: str) -> None:
+    """Log what each part of the guest's run cost: the boot, each test file, the bench (the stage's
+    budget is spent under software emulation, so its parts are printed on every run)."""
+    parts = [f"boot {boot_seconds:.0f} s"] if boot_seconds is not None else []
+    with open(console_path, "rb") as f:
+        text = f.read().decode("utf-8", "replace")
+    parts += [line.split("cost: ", 1)[1].strip() for line in text.splitlines() if "cgturn-testhost: cost: " in line]
+    if parts:
+        log("cost: " + ", ".join(parts))
+    for path, seconds in test_file_costs(os.path.join(results, "junit.xml")):
+        log(f"cost: {seconds:6.1f} s  {path}")
 
 
 def _guest_kernel_died(console_path: str, since: int) -> bool:
@@ -221,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copy2(os.path.join(out, name), os.path.join(results, name))
         status_file = os.path.join(out, "status")
         elapsed = time.monotonic() - t0
+        report_costs(results, BOOT_SECONDS, os.path.join(results, "console.log"))
         if outcome == "timeout":
             log(f"guest killed after --timeout {args.timeout:.0f} s ({accel}); results in {results}")
             return 1

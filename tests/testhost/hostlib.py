@@ -44,6 +44,11 @@ slow = pytest.mark.skipif("not everything()", reason="under software emulation (
 @pytest.fixture
 def systemd_host():
     """Fail (not skip) unless this really is the host the tests were written for."""
+    check_systemd_host()
+
+
+def check_systemd_host() -> None:
+    """Raise AssertionError unless PID 1 is systemd and cgroup2 is mounted with nsdelegate."""
     with open("/proc/1/comm") as f:
         assert f.read().strip() == "systemd", "PID 1 is not systemd"
     with open("/proc/self/mounts") as f:
@@ -74,11 +79,38 @@ def user_argv(user: str, argv: list[str]) -> list[str]:
             f"DBUS_SESSION_BUS_ADDRESS=unix:path=/run/user/{uid}/bus", *argv]
 
 
-def run_in_unit(argv: list[str], *, props: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                user_manager: str | None = None, name: str | None = None,
-                timeout: float = 180) -> subprocess.CompletedProcess:
-    """Run `argv` as a transient service (systemd-run --wait --pipe) and return its output and status.
+class UnitRun:
+    """A transient service started by `start_in_unit`, running while the caller does something else."""
 
+    def __init__(self, argv: list[str], name: str, user_manager: str | None, timeout: float):
+        self.name, self.user_manager, self.timeout = name, user_manager, timeout
+        self.argv = argv
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+
+    def result(self) -> subprocess.CompletedProcess:
+        """Wait for the unit to finish (its `timeout` from now; then TimeoutExpired), stop it, and
+        return its output and status."""
+        try:
+            try:
+                out, err = self.proc.communicate(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()  # systemd-run, started by this object; the unit is stopped below
+                self.proc.communicate()
+                raise
+            return subprocess.CompletedProcess(self.argv, self.proc.returncode, out, err)
+        finally:
+            stop = ["systemctl", "stop", f"{self.name}.service"]
+            subprocess.run(user_argv(self.user_manager, [stop[0], "--user", *stop[1:]]) if self.user_manager
+                           else stop, capture_output=True, timeout=60)
+
+
+def start_in_unit(argv: list[str], *, props: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                  user_manager: str | None = None, name: str | None = None, timeout: float = 180) -> UnitRun:
+    """Start `argv` as a transient service (systemd-run --wait --pipe) without waiting for it.
+
+    Several started at once run side by side: under software emulation the guest's interpreter
+    starts are most of a unit's time, and one unit after another leaves the second CPU idle.
     `user_manager`: start it under that user's own systemd manager instead of the system's.
     """
     name = name or unit_name()
@@ -88,13 +120,18 @@ def run_in_unit(argv: list[str], *, props: tuple[str, ...] = (), env: dict[str, 
     argv_run += [f"--property={p}" for p in props]
     if user_manager:
         argv_run = user_argv(user_manager, [argv_run[0], "--user", *argv_run[1:]])
-    try:
-        return subprocess.run([*argv_run, "--", *argv], capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
-    finally:
-        stop = ["systemctl", "stop", f"{name}.service"]
-        subprocess.run(user_argv(user_manager, [stop[0], "--user", *stop[1:]]) if user_manager else stop,
-                       capture_output=True, timeout=60)
+    return UnitRun([*argv_run, "--", *argv], name, user_manager, timeout)
+
+
+def run_in_unit(argv: list[str], *, props: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                user_manager: str | None = None, name: str | None = None,
+                timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run `argv` as a transient service (systemd-run --wait --pipe) and return its output and status.
+
+    `user_manager`: start it under that user's own systemd manager instead of the system's.
+    """
+    return start_in_unit(argv, props=props, env=env, user_manager=user_manager, name=name,
+                         timeout=timeout).result()
 
 
 def last_json(stdout: str):
@@ -110,6 +147,24 @@ def unit_cgroup(unit: str, user: str | None = None) -> str:
     out = systemctl("show", "--property=ControlGroup", "--value", unit, user=user).stdout.strip()
     assert out, f"{unit} has no control group"
     return MOUNT + out
+
+
+def user_manager_running(user: str) -> bool:
+    """Whether `user`'s systemd manager (user@UID.service) is active."""
+    import pwd
+    uid = pwd.getpwnam(user).pw_uid
+    return systemctl("is-active", f"user@{uid}.service", check=False).stdout.strip() == "active"
+
+
+def stop_user_manager(user: str) -> None:
+    """`user` not lingering and logged out everywhere, its manager and its bus gone (bounded wait)."""
+    import pwd
+    uid = pwd.getpwnam(user).pw_uid
+    subprocess.run(["loginctl", "disable-linger", user], capture_output=True, timeout=60)
+    subprocess.run(["loginctl", "terminate-user", user], capture_output=True, timeout=60)
+    systemctl("stop", f"user@{uid}.service", check=False)
+    assert wait_value(lambda: not os.path.exists(f"/run/user/{uid}/bus") and not user_manager_running(user), 120), \
+        f"the user manager of {user} did not stop"
 
 
 def wait_value(fn, timeout: float):

@@ -2,7 +2,7 @@
 
 Containers run on a Debian rootfs made when the test host's image was built (scripts/testhost/image.py;
 no registry is reachable, nothing is ever pulled), with `podman run --rootfs` read-only; `kube play`
-needs an image, so that test `podman import`s it as `localhost/cgturn-test`. The checkout is mounted
+needs an image: the same rootfs, imported as `localhost/cgturn-test` when the image was built. The checkout is mounted
 read-only at /share in every container. Each container runs this file as a
 script (`python3 /share/tests/testhost/test_testhost_containers.py SCENARIO STATE`), which does all
 of that container's checks in one run and prints one JSON line; the tests assert on it. What each
@@ -16,6 +16,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -196,7 +197,9 @@ def scenario_read_only(state: str) -> dict:
         turn = mgr.begin_turn("ci", "plain")
         p = turn.spawn(["sh", "-c", "sleep 300 & echo $!"], stdout=subprocess.PIPE, text=True)
         child = int(p.stdout.readline())
-        out["killed_child"] = child in turn.abandon("test", grace=0).killed and _gone([child])
+        killed = turn.abandon("test", grace=0).killed
+        out["child"], out["killed"] = child, sorted(killed)
+        out["killed_child"] = child in killed and _gone([child])
         p.wait()
     return out
 
@@ -212,7 +215,8 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402 - the scenarios above run in containers that need no pytest import
 
-from hostlib import TEST_USER, last_json, systemd_host, user_argv  # noqa: E402,F401
+from hostlib import (TEST_USER, check_systemd_host, last_json, stop_user_manager, systemd_host,  # noqa: E402,F401
+                     user_argv)
 
 pytestmark = pytest.mark.testhost
 SCRIPT = "/share/tests/testhost/test_testhost_containers.py"
@@ -223,10 +227,10 @@ RUN = ["podman", "run", "--rm", "--network=none", "--read-only", "-v", "/share:/
 INIT = ["python3", "-m", "cgturn", "init", "-v", "--"]
 DOCS = os.path.join(os.path.dirname(os.path.dirname(HERE)), "docs", "containers.md")
 # Under software emulation (TCG, every CI run on the development machine) one podman run costs one to
-# four minutes (measured at host load ~20: the privileged run 217 s, read-only 78 s, the runtime-
-# delegated one 134 s; `podman import` 249 s). The stage runs the privileged container, the case
-# privileged CI jobs are; the others run where the guest has KVM, or when the checkout carries this
-# flag file (`touch .testhost-containers-all` before scripts/testhost/run.py).
+# four minutes, so the containers CI's stage runs (those whose row in docs/containers.md claims cgroup2)
+# start at once, side by side on the guest's CPUs (`started`). The `slow` ones run where the guest has
+# KVM, or when the checkout carries the flag file (`touch .testhost-containers-all` before
+# scripts/testhost/run.py).
 from hostlib import ALL_FLAG, everything, slow  # noqa: E402,F401 (slow's condition reads everything)
 
 
@@ -257,18 +261,56 @@ def _mount_points() -> None:
             open(path, "a").close()
 
 
-def _container(request, what: str, podman_args: list[str], command: list[str], runner=lambda argv: argv,
-               rootfs: list[str] | None = None) -> dict:
+class _Running:
+    """A `podman run` started in the background: several run side by side on the guest's CPUs."""
+
+    def __init__(self, what: str, argv: list[str]):
+        self.what, self.started = what, time.monotonic()
+        self.ended: float | None = None
+        self._data: dict | None = None
+        self._output = ("", "")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        # Collected as it comes, so that the time printed is this run's own, not the time a test asked.
+        self._reader = threading.Thread(target=self._collect, name=f"podman {what}", daemon=True)
+        self._reader.start()
+
+    def _collect(self) -> None:
+        self._output = self.proc.communicate()
+        self.ended = time.monotonic()
+
+    def data(self, request, timeout: float = 900) -> dict:
+        """Its scenario's JSON (with `init_stderr`); fails the calling test when the run failed."""
+        if self._data is not None:
+            return self._data
+        self._reader.join(timeout)
+        if self._reader.is_alive():
+            self.proc.kill()  # the podman client this object started; --rm removes the container
+            self._reader.join()
+            raise AssertionError(f"{self.what}: still running after {timeout:.0f} s")
+        stdout, stderr = self._output
+        code = self.proc.returncode
+        _say(request, f"{self.what}: {self.ended - self.started:.1f} s (exit {code})")
+        if code != 0:
+            _say(request, f"{self.what}: stdout {stdout[-1500:]!r} stderr {stderr[-1500:]!r}")
+        assert code == 0, f"{self.what}: exit {code}\n{stdout}\n{stderr}"
+        data = last_json(stdout)
+        data["init_stderr"] = stderr
+        _say(request, f"{self.what}: {json.dumps(data)[:3000]}")
+        self._data = data
+        return data
+
+
+def _start(what: str, podman_args: list[str], command: list[str], runner=lambda argv: argv,
+           rootfs: list[str] | None = None) -> _Running:
     _mount_points()
     run = RUN if rootfs is None else [a for a in RUN if a != "--read-only"]
-    res = _timed(request, what, runner([*run, *podman_args, *(rootfs or ["--rootfs", ROOTFS]), *command]))
-    if res.returncode != 0:
-        _say(request, f"{what}: stdout {res.stdout[-1500:]!r} stderr {res.stderr[-1500:]!r}")
-    assert res.returncode == 0, f"{what}: exit {res.returncode}\n{res.stdout}\n{res.stderr}"
-    data = last_json(res.stdout)
-    data["init_stderr"] = res.stderr
-    _say(request, f"{what}: {json.dumps(data)[:3000]}")
-    return data
+    return _Running(what, runner([*run, *podman_args, *(rootfs or ["--rootfs", ROOTFS]), *command]))
+
+
+def _container(request, what: str, podman_args: list[str], command: list[str], runner=lambda argv: argv,
+               rootfs: list[str] | None = None) -> dict:
+    return _start(what, podman_args, command, runner, rootfs).data(request)
 
 
 def _full(scenario_state: str = "/tmp/cgturn-state") -> list[str]:
@@ -291,13 +333,58 @@ def _assert_full(data: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def privileged_run(request):
-    """One `--privileged --cgroupns=private` container: first the no-init scenario at the namespace
-    root (a child of a shell that is PID 1), then that shell execs `cgturn init` for the full one."""
+def started(systemd_host_module):
+    """The containers CI's stage runs, all started at once (each its scenarios in one run):
+
+    - `privileged`: `--privileged --cgroupns=private`, first the no-init scenario at the namespace
+      root (a child of a shell that is PID 1), then that shell execs `cgturn init` for the full one;
+    - `delegated`: not privileged, the cgroupfs left writable by the runtime, under `cgturn init`;
+    - `rootless`: the delegated one's flags, run by cgtest's own podman;
+    - `read-only` (where the `slow` tests run): podman's default, the cgroupfs read-only, under
+      `cgturn init --plain-if-refused`.
+    """
     script = (f"python3 {SCRIPT} no-init /tmp/s0 > /tmp/no-init.json && "
               f"exec {' '.join(INIT)} python3 {SCRIPT} full /tmp/s1 /tmp/no-init.json")
-    return _container(request, "privileged (no init, then cgturn init)", ["--privileged", "--cgroupns=private"],
-                      ["sh", "-c", script])
+    running = {
+        "privileged": _start("privileged (no init, then cgturn init)", ["--privileged", "--cgroupns=private"],
+                             ["sh", "-c", script]),
+        "delegated": _start("unprivileged, writable cgroupfs + cgturn init",
+                            ["--cgroupns=private", "--security-opt", "unmask=/sys/fs/cgroup"], _full()),
+    }
+    try:
+        if everything():
+            running["read-only"] = _start("read-only cgroupfs", [],
+                                          ["python3", "-m", "cgturn", "init", "--plain-if-refused", "--",
+                                           "python3", SCRIPT, "read-only", "/tmp/cgturn-state"])
+        # Rootless: as cgtest, whose own systemd manager (started by lingering) delegates to podman.
+        subprocess.run(["loginctl", "enable-linger", TEST_USER], check=True, capture_output=True, timeout=60)
+        bus = f"/run/user/{CGTEST_UID}/bus"
+        deadline = time.monotonic() + 120
+        while not os.path.exists(bus) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert os.path.exists(bus), "the test user's manager did not start"
+        running["rootless"] = _start("rootless + cgturn init",
+                                     ["--cgroupns=private", "--security-opt", "unmask=/sys/fs/cgroup"], _full(),
+                                     runner=lambda argv: _as_user(TEST_USER, argv))
+        yield running
+    finally:
+        for run in running.values():
+            run._reader.join(900)
+            if run._reader.is_alive():
+                run.proc.kill()
+                run._reader.join()
+        stop_user_manager(TEST_USER)  # and with it the user's podman processes (the disk is a snapshot)
+
+
+@pytest.fixture(scope="module")
+def systemd_host_module():
+    """`systemd_host` for module fixtures: fail (not skip) unless this is the test host."""
+    check_systemd_host()
+
+
+@pytest.fixture(scope="module")
+def privileged_run(request, started):
+    return started["privileged"].data(request)
 
 
 def test_privileged_container_with_init_gets_full_cgroup2(systemd_host, privileged_run):
@@ -320,39 +407,21 @@ def test_privileged_container_without_init_owns_turns_without_limits(systemd_hos
 
 
 @slow
-def test_unprivileged_container_with_a_read_only_cgroupfs_falls_back(systemd_host, request):
+def test_unprivileged_container_with_a_read_only_cgroupfs_falls_back(systemd_host, request, started):
     """podman's default: /sys/fs/cgroup read-only. `cgturn init --plain-if-refused` warns and runs the
     scenario as a plain init; doctor explains; the registry owns turns."""
-    data = _container(request, "read-only cgroupfs", [],
-                      ["python3", "-m", "cgturn", "init", "--plain-if-refused", "--",
-                       "python3", SCRIPT, "read-only", "/tmp/cgturn-state"])
+    data = started["read-only"].data(request)
     assert "read-only" in data["init_stderr"] and "no cgroup step" in data["init_stderr"], data["init_stderr"]
     assert data["pid"] != 1                      # the scenario ran under init, as its child
     assert data["doctor"]["backend"] == "registry" and data["doctor"]["usable"]
     assert any("read-only" in p for p in data["doctor"]["problems"]), data["doctor"]["problems"]
-    assert data["backend"] == "registry" and data["killed_child"]
+    assert data["backend"] == "registry" and data["killed_child"], data
 
 
-@slow
-def test_runtime_delegated_cgroupfs_without_privileged(systemd_host, request):
+def test_runtime_delegated_cgroupfs_without_privileged(systemd_host, request, started):
     """Not privileged, but the runtime leaves the cgroupfs writable (`--security-opt
     unmask=/sys/fs/cgroup` with a private cgroup namespace; crun honours it): full cgroup2."""
-    data = _container(request, "unprivileged, writable cgroupfs + cgturn init",
-                      ["--cgroupns=private", "--security-opt", "unmask=/sys/fs/cgroup"], _full())
-    _assert_full(data)
-
-
-@pytest.fixture(scope="module")
-def lingering_user():
-    subprocess.run(["loginctl", "enable-linger", TEST_USER], check=True, capture_output=True, timeout=60)
-    bus = f"/run/user/{CGTEST_UID}/bus"
-    deadline = time.monotonic() + 120
-    while not os.path.exists(bus) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert os.path.exists(bus), "the test user's manager did not start"
-    yield TEST_USER
-    subprocess.run(_as_user(TEST_USER, ["podman", "system", "reset", "--force"]), capture_output=True, timeout=300)
-    subprocess.run(["loginctl", "disable-linger", TEST_USER], capture_output=True, timeout=60)
+    _assert_full(started["delegated"].data(request))
 
 
 def _as_user(user: str, argv: list[str]) -> list[str]:
@@ -364,16 +433,10 @@ def _as_user(user: str, argv: list[str]) -> list[str]:
     return user_argv(user, ["env", f"HOME={home}", "sh", "-c", 'cd "$HOME" && exec "$@"', "-", *argv])
 
 
-@slow
-def test_rootless_podman_with_init(systemd_host, lingering_user, request):
+def test_rootless_podman_with_init(systemd_host, request, started):
     """Rootless podman as cgtest (its own systemd user manager, delegated by user@.service): the same
-    scenario under `cgturn init`."""
-    data = _container(request, "rootless + cgturn init",
-                      ["--cgroupns=private", "--security-opt", "unmask=/sys/fs/cgroup"], _full(),
-                      runner=lambda argv: _as_user(lingering_user, argv),
-                      # an overlay over the root-owned rootfs: the mapped root may not write to it
-                      rootfs=["--rootfs", f"{ROOTFS}:O"])
-    _assert_full(data)
+    scenario under `cgturn init`, on the same read-only rootfs (mount points made beforehand)."""
+    _assert_full(started["rootless"].data(request))
 
 
 def kube_yaml_from_docs() -> str:
@@ -390,10 +453,10 @@ def test_kubernetes_pod_through_kube_play(systemd_host, request, tmp_path):
     """The documented Pod, changed only where a test host differs from a cluster: the image is the
     local one (imported from the rootfs, never pulled), the command runs the scenario from the
     checkout mounted as a hostPath."""
-    res = _timed(request, "podman import", ["sh", "-c", f'tar -C {ROOTFS} -cf - . | podman import - {IMAGE}'])
-    assert res.returncode == 0, res.stderr
+    images = _timed(request, "podman image exists", ["podman", "image", "exists", IMAGE])
+    assert images.returncode == 0, f"{IMAGE} is not in the guest's storage (scripts/testhost/image.py imports it)"
     text = kube_yaml_from_docs()
-    assert "privileged: true" in text and "cgturn init" in text
+    assert "privileged: true" in text and '["cgturn", "init", "--",' in text, text
     text = text.replace("registry.example.com/my-gateway:1", IMAGE).replace("IfNotPresent", "Never")
     text = text.replace('["cgturn", "init", "--", "my-gateway"]', json.dumps(_full()))
     text += ("      env:\n      - {name: PYTHONPATH, value: /share}\n      - {name: PYTHONDONTWRITEBYTECODE, value: '1'}\n"
@@ -413,4 +476,3 @@ def test_kubernetes_pod_through_kube_play(systemd_host, request, tmp_path):
         _assert_full(data)
     finally:
         subprocess.run(["podman", "kube", "down", str(pod_file)], capture_output=True, timeout=300)
-        subprocess.run(["podman", "rmi", "-f", IMAGE], capture_output=True, timeout=300)

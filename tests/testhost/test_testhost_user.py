@@ -20,8 +20,8 @@ import sys
 
 import pytest
 
-from hostlib import (MOUNT, SHARE, TEST_USER, everything, last_json, pid_alive, run_in_unit, slow, systemctl,  # noqa: F401
-                     systemd_host, unit_name, wait_value)
+from hostlib import (MOUNT, SHARE, TEST_USER, last_json, pid_alive, run_in_unit, start_in_unit, stop_user_manager,  # noqa: F401
+                     systemctl, systemd_host, unit_name, user_manager_running, wait_value)
 
 pytestmark = [pytest.mark.testhost, pytest.mark.usefixtures("systemd_host")]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,21 +38,22 @@ UID = _test_uid()
 SCOPE = f"/user.slice/user-{UID}.slice/user@{UID}.service/app.slice/cgturn.scope"
 # logind names sessions without an audit session id c1, c2, ... (session-c1.scope)
 SESSION = re.compile(rf"^/user\.slice/user-{UID}\.slice/session-[^/]+\.scope$")
-# Inside a session: wait (bounded) for the user's bus, which pam_systemd's user manager brings up.
-# `cgturn run` without its sentinel: under TCG a Python start alone can outlast the sentinel's 10 s
-# start-up allowance (sentinel.READY_TIMEOUT), and the sentinel is not what these tests are about.
+# Sessions run with the sentinel on, the default: `cgturn run` forks it before its turn (before the
+# scope exists, when it is the first), TurnManager's is attached after; both must guard turns in the
+# scope. Units that test only where the managed root is run without it (CGTURN_SENTINEL=0).
 NO_SENTINEL = "0"
 # A daemon's stdio off the test's pipes: a survivor holding the captured stdout would make the
 # session's subprocess.run wait for it to exit, and a check after that would see it gone either way.
 QUIET = "</dev/null >/dev/null 2>&1"
 # The CLI prints indented JSON: one line per document, so that several can share one output.
 COMPACT = """ | python3 -c 'import json, sys; print(json.dumps(json.load(sys.stdin)))'"""
+# Inside a session: wait (bounded) for the user's bus, which pam_systemd's user manager brings up.
 WAIT_BUS = ('i=0; while [ ! -S "$XDG_RUNTIME_DIR/bus" ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done; ')
 
 
 def _login_argv(method: str, command: str) -> list[str]:
     """A login session for TEST_USER through PAM (pam_systemd), running `command` in sh."""
-    script = f"{WAIT_BUS}cd / && export PYTHONPATH={SHARE} CGTURN_SENTINEL={NO_SENTINEL} && {command}"
+    script = f"{WAIT_BUS}cd / && export PYTHONPATH={SHARE} && {command}"
     if method == "su":
         return ["su", "-l", TEST_USER, "-c", script]
     return ["systemd-run", "--quiet", "--wait", "--pipe", "--collect", f"--uid={TEST_USER}", "-p", "PAMName=login",
@@ -79,32 +80,17 @@ def in_session(method: str, command: str, timeout: float = 600) -> subprocess.Co
 
 
 def _user_manager_running() -> bool:
-    return systemctl("is-active", f"user@{UID}.service", check=False).stdout.strip() == "active"
+    return user_manager_running(TEST_USER)
 
 
 def _stop_user_manager() -> None:
-    subprocess.run(["loginctl", "disable-linger", TEST_USER], capture_output=True, timeout=60)
-    subprocess.run(["loginctl", "terminate-user", TEST_USER], capture_output=True, timeout=60)
-    systemctl("stop", f"user@{UID}.service", check=False)
-    assert wait_value(lambda: not os.path.exists(f"/run/user/{UID}/bus") and not _user_manager_running(), 120), \
-        "the user manager did not stop"
+    stop_user_manager(TEST_USER)
 
 
 @pytest.fixture
 def no_user_manager():
     """TEST_USER logged out, not lingering: no user manager runs. Left so afterwards too."""
     _stop_user_manager()
-    yield
-    _stop_user_manager()
-
-
-@pytest.fixture
-def lingering():
-    """TEST_USER lingers: their manager runs without a session (loginctl enable-linger)."""
-    _stop_user_manager()
-    subprocess.run(["loginctl", "enable-linger", TEST_USER], check=True, capture_output=True, timeout=60)
-    assert wait_value(lambda: _user_manager_running() and os.path.exists(f"/run/user/{UID}/bus"), 120), \
-        systemctl("status", "--no-pager", f"user@{UID}.service", check=False).stdout
     yield
     _stop_user_manager()
 
@@ -124,6 +110,17 @@ def _marked(marker: str) -> list[int]:
             except OSError:
                 continue
     return out
+
+
+def _kill_record(state_dir: str, task: str, turn: str | None) -> dict | None:
+    """The first kill record of `task` (and `turn`, unless None) in the audit log of `state_dir`."""
+    try:
+        with open(os.path.join(state_dir, "audit.jsonl")) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return None
+    return next((r for r in records if r.get("action", "kill") == "kill" and r["task"] == task
+                 and turn in (None, r["turn"])), None)
 
 
 def _json_lines(stdout: str) -> list:
@@ -180,6 +177,28 @@ def test_an_ssh_style_user_gets_cgroup2_turns_in_a_delegated_scope(login_method,
         assert f"0::{SCOPE}/cgturn/cli/" in res.stdout, res.stdout
         assert wait_value(lambda: not _marked(marker), 30), _marked(marker)
 
+        # A gateway SIGKILLed with a turn running: only its sentinel, forked into the scope's owners
+        # leaf, is left to abandon the turn, whose environment-clearing daemon dies with it.
+        res = in_session(login_method, f"{sys.executable} {HERE}/user_scenario.py --die")
+        died = last_json(res.stdout)  # the session's status is the SIGKILL's (137): not checked
+        assert died["own"] == died["sentinel_cgroup"] == SCOPE + "/owners", died
+        assert died["escaper_cgroups"] == [SCOPE + "/cgturn/killed/t1"] and died["escaper_pids"], died
+        assert wait_value(lambda: not _marked(died["marker"]), 60), _marked(died["marker"])
+        record = wait_value(lambda: _kill_record(died["state_dir"], "killed", "t1"), 30)
+        assert record and record["reason"] == "owner-died" and record["by_pid"] == died["sentinel"], record
+        assert set(died["escaper_pids"]) <= set(record["pids"]), record
+        assert wait_value(lambda: not os.path.isdir(MOUNT + SCOPE + "/cgturn/killed/t1"), 30)
+
+        # `cgturn run` SIGKILLed while its command runs: run's sentinel abandons the turn.
+        marker = _marker()
+        res = in_session(login_method, "cgturn run --task cli-killed -- sh -c "
+                                       f"'setsid -f env -i sleep {marker} {QUIET}; kill -KILL $PPID; "
+                                       f"exec sleep {marker} {QUIET}'")
+        record = wait_value(lambda: _kill_record(died["state_dir"], "cli-killed", None), 60)
+        assert record and record["reason"] == "owner-died", (record, res.stdout + res.stderr)
+        assert len(record["pids"]) >= 2, record  # the command and its env-clearing daemon
+        assert wait_value(lambda: not _marked(marker), 30), _marked(marker)
+
         # `stop` from another session kills the survivor through cgroup.kill.
         res = in_session(login_method, "cgturn stop chat t2 --force --grace 0 --json")
         assert res.returncode == 0, res.stdout + res.stderr
@@ -189,7 +208,6 @@ def test_an_ssh_style_user_gets_cgroup2_turns_in_a_delegated_scope(login_method,
         holder.wait(timeout=60)
 
 
-@slow
 def test_logging_out_without_linger_takes_the_scope_and_its_survivors(login_method, no_user_manager):
     # Documented (docs/where.md): without linger the user manager stops after the last session,
     # and cgturn.scope, with a completed turn's survivors in it, goes with it. A second session is
@@ -217,13 +235,39 @@ def _cgturn(*args: str) -> list[str]:
     return [sys.executable, "-m", "cgturn", *args]
 
 
-@slow
-def test_a_user_service_without_delegation_uses_its_own_cgroup_and_says_so(lingering):
-    name = unit_name()
-    unit = f"/user.slice/user-{UID}.slice/user@{UID}.service/app.slice/{name}.service"
-    res = run_in_unit(["/bin/sh", "-c", f"{' '.join(_cgturn('doctor', '--json'))}{COMPACT}; "
-                       f"{' '.join(_cgturn('run', '--task', 'svc', '--reap-on-exit', '--', 'cat', '/proc/self/cgroup'))}"],
-                      name=name, user_manager=TEST_USER, env={"CGTURN_SENTINEL": NO_SENTINEL})
+@pytest.fixture(scope="module")
+def jobs():
+    """The cron-style and user-service cases, their units run side by side where they can: first the
+    cron-style job with the user logged out and not lingering, then, with the user lingering, the
+    user service and the lingering user's cron-style job at once. Returns their results by name."""
+    out = {}
+    _stop_user_manager()
+    try:
+        # A system service with User= and no PAM session, as Debian's cron runs a job (its PAM stack
+        # has no pam_systemd): a root-owned cgroup, no XDG_RUNTIME_DIR, and no user manager.
+        out["cron"] = run_in_unit(_cgturn("doctor", "--json"), props=(f"User={TEST_USER}",))
+        subprocess.run(["loginctl", "enable-linger", TEST_USER], check=True, capture_output=True, timeout=60)
+        assert wait_value(lambda: _user_manager_running() and os.path.exists(f"/run/user/{UID}/bus"), 120), \
+            systemctl("status", "--no-pager", f"user@{UID}.service", check=False).stdout
+        name = unit_name()
+        out["service_cgroup"] = f"/user.slice/user-{UID}.slice/user@{UID}.service/app.slice/{name}.service"
+        service = start_in_unit(["/bin/sh", "-c", f"{' '.join(_cgturn('doctor', '--json'))}{COMPACT}; "
+                                 f"{' '.join(_cgturn('run', '--task', 'svc', '--reap-on-exit', '--', 'cat', '/proc/self/cgroup'))}"],
+                                name=name, user_manager=TEST_USER, env={"CGTURN_SENTINEL": NO_SENTINEL},
+                                timeout=600)
+        out["marker"] = marker = _marker()
+        cron = start_in_unit(["/bin/sh", "-c", f"{' '.join(_cgturn('doctor', '--json'))}{COMPACT}; "
+                              + " ".join(_cgturn("run", "--task", "cron", "--reap-on-exit", "--", "sh", "-c",
+                                                 f"'cat /proc/self/cgroup; setsid -f env -i sleep {marker} {QUIET}'"))],
+                             props=(f"User={TEST_USER}",), env={"CGTURN_SENTINEL": NO_SENTINEL}, timeout=600)
+        out["service"], out["cron_lingering"] = service.result(), cron.result()
+        yield out
+    finally:
+        _stop_user_manager()
+
+
+def test_a_user_service_without_delegation_uses_its_own_cgroup_and_says_so(jobs):
+    res, unit = jobs["service"], jobs["service_cgroup"]
     assert res.returncode == 0, res.stdout + res.stderr
     report = _json_lines(res.stdout)[0]
     assert report["backend"] == "cgroup2" and report["own_cgroup"] == MOUNT + unit
@@ -233,11 +277,8 @@ def test_a_user_service_without_delegation_uses_its_own_cgroup_and_says_so(linge
     assert f"0::{unit}/cgturn/svc/" in res.stdout, res.stdout  # turns below the unit's own cgroup
 
 
-@slow
-def test_a_cron_style_job_without_linger_falls_back_with_a_reason(no_user_manager):
-    # A system service with User= and no PAM session, as Debian's cron runs a job (its PAM stack
-    # has no pam_systemd): a root-owned cgroup, no XDG_RUNTIME_DIR, and no user manager.
-    res = run_in_unit(_cgturn("doctor", "--json"), props=(f"User={TEST_USER}",))
+def test_a_cron_style_job_without_linger_falls_back_with_a_reason(jobs):
+    res = jobs["cron"]
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(res.stdout)
     assert report["backend"] == "registry" and report["systemd_scope"] is None
@@ -245,13 +286,8 @@ def test_a_cron_style_job_without_linger_falls_back_with_a_reason(no_user_manage
         report["problems"]
 
 
-@slow
-def test_a_cron_style_job_of_a_lingering_user_gets_the_scope(lingering):
-    marker = _marker()
-    res = run_in_unit(["/bin/sh", "-c", f"{' '.join(_cgturn('doctor', '--json'))}{COMPACT}; "
-                       + " ".join(_cgturn("run", "--task", "cron", "--reap-on-exit", "--", "sh", "-c",
-                                          f"'cat /proc/self/cgroup; setsid -f env -i sleep {marker} {QUIET}'"))],
-                      props=(f"User={TEST_USER}",), env={"CGTURN_SENTINEL": NO_SENTINEL})
+def test_a_cron_style_job_of_a_lingering_user_gets_the_scope(jobs):
+    res, marker = jobs["cron_lingering"], jobs["marker"]
     assert res.returncode == 0, res.stdout + res.stderr
     report = _json_lines(res.stdout)[0]
     assert report["backend"] == "cgroup2", report

@@ -1,15 +1,21 @@
 """Run as an unprivileged user in a login session (a root-owned session-N.scope): a gateway's turns.
 
-    python3 user_scenario.py
+    python3 user_scenario.py          a gateway that exits normally
+    python3 user_scenario.py --die    a gateway that is SIGKILLed with a turn running
 
 Public API only, no configuration: `TurnManager()` must find the user's systemd manager, make
 cgturn.scope and move this process into it. One turn launches every escaper of tests/escapers.py
 whose tools this host has, and is abandoned; a second turn starts a server and completes, and this
 process exits leaving the server running. Prints one JSON object.
+
+With `--die`: one turn launches the environment-clearing escaper (the one the registry misses), the
+manager's sentinel is started (`Supervisor.start_sentinel`), and this process prints one JSON object
+and SIGKILLs itself, so only the sentinel can abandon the turn.
 """
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -17,7 +23,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: escapers
 
 import escapers  # noqa: E402
-from cgturn import Limits, TurnManager, doctor_report  # noqa: E402
+from cgturn import Limits, Supervisor, TurnManager, doctor_report  # noqa: E402
 
 
 def cgroup_of(pid) -> str:
@@ -25,7 +31,24 @@ def cgroup_of(pid) -> str:
         return next(line[3:].strip() for line in f if line.startswith("0::"))
 
 
+def die() -> None:
+    mgr = TurnManager()
+    turn = mgr.begin_turn("killed", "t1")
+    # After the first turn, so forked from this process inside the scope; it tracks the turn begun.
+    sentinel = Supervisor.start_sentinel(mgr)
+    escaper = escapers.recipes(tempfile.gettempdir())["env_cleared"]
+    escaper.log = os.devnull  # this process leaves nothing to clean up: it is killed
+    pids = escapers.launch(turn, escaper)
+    print(json.dumps({"pid": os.getpid(), "own": cgroup_of("self"), "state_dir": mgr.state_dir,
+                      "sentinel": sentinel, "sentinel_cgroup": cgroup_of(sentinel),
+                      "marker": escaper.marker, "escaper_pids": pids,
+                      "escaper_cgroups": sorted({cgroup_of(p) for p in pids})}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--die"]:
+        die()
     before = doctor_report()
     own_before = cgroup_of("self")
     mgr = TurnManager()
