@@ -181,11 +181,12 @@ def kill_pool_process(fleet, res, what):
 
 
 # (name, mode, queue, send options, what the test does once the task runs, the error the client
-# gets or None, the audited reason)
+# gets or None, the audited reason). The time limits leave a task 5 s to start its three processes: at
+# 1.5 s a loaded machine let the limit end the task before its double-forking server had started.
 ENDINGS = [
     ("revoke-terminate", "hang", "a", {}, revoke, None, cc.REVOKED),
-    ("soft-time-limit", "hang", "b", {"soft_time_limit": 1.5}, None, "SoftTimeLimitExceeded", cc.TIME_LIMIT),
-    ("hard-time-limit", "hang", "a", {"time_limit": 1.5}, None, "TimeLimitExceeded", cc.TIME_LIMIT),
+    ("soft-time-limit", "hang", "b", {"soft_time_limit": 5}, None, "SoftTimeLimitExceeded", cc.TIME_LIMIT),
+    ("hard-time-limit", "hang", "a", {"time_limit": 5}, None, "TimeLimitExceeded", cc.TIME_LIMIT),
     ("pool-process-sigkill", "hang", "b", {}, kill_pool_process, None, "owner-died"),
     ("sys-exit-mid-task", "exit", "a", {}, None, "WorkerLost|exited prematurely", cc.WORKER_LOST),
 ]

@@ -103,7 +103,7 @@ def test_prometheus_sees_the_fleet_as_the_audit_logs_do(tmp_path):
         client.control.revoke(revoked.id, terminate=True)
         failed = client.send_task("fleet.work", args=("raise",), queue="pa")
         oom = client.send_task("fleet.limited", args=("oom-child",), queue="pa")
-        timed = client.send_task("fleet.work", args=("hang",), queue="pb", time_limit=1.0)
+        timed = client.send_task("fleet.work", args=("hang",), queue="pb", time_limit=5.0)
         for res in (failed, oom, timed):
             with pytest.raises(Exception):
                 res.get(timeout=60)

@@ -83,8 +83,9 @@ def test_reap_reads_each_record_once_and_each_owner_once(cgroup2_root, state_dir
         # The live owner (this process) was looked at once, not once per turn: one look per owner.
         assert looked.count(os.getpid()) == 1, looked
         # The running turns' records were read once, by the pass itself: no second read per turn for
-        # the limit audit (loads are only the abandons' own, of the dead owner's turns).
-        assert sorted(set(loads)) == sorted(f"g{i}" for i in range(THEIRS)), loads
+        # the limit audit (any load is an abandon's own, of a dead owner's turn; an abandon on cgroup2
+        # may read its record under the lock instead, through no load at all).
+        assert set(loads) <= {f"g{i}" for i in range(THEIRS)}, loads
     finally:
         for task in ("task-0", "task-1", "task-2", "gone"):
             mgr.end_task(task, grace=0)
