@@ -433,7 +433,8 @@ static int seal_enter(const struct child *c)
         || symlink("/proc/self/fd/0", "/dev/stdin") != 0 || symlink("/proc/self/fd/1", "/dev/stdout") != 0
         || symlink("/proc/self/fd/2", "/dev/stderr") != 0)
         SEAL_FAIL("noexec");
-    if (mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755") != 0
+    /* /tmp as a host's own is (sticky, everyone's), so a user= target can write it; /run stays root's */
+    if (mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777") != 0
         || mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755") != 0)
         SEAL_FAIL("noexec");
     for (i = 0; i < s->n_binds; i++) {

@@ -489,6 +489,17 @@ def test_a_sealed_turn_combines_limits_a_user_and_no_network(cgroup2_manager, tm
     out.stdout.close()
 
 
+def test_a_sealed_user_target_can_write_its_private_tmp(cgroup2_manager):
+    """The private /tmp is sticky and everyone's, as a host's own: a `user=` target can use it (a
+    root-only 0755 tmpfs made every program that writes a temporary file fail there)."""
+    turn = cgroup2_manager.begin_turn("tmp", seal=True)
+    proc = turn.spawn(["/bin/sh", "-c", "echo hi > /tmp/cgturn-probe && cat /tmp/cgturn-probe && stat -c %a /tmp"],
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, user="nobody", cwd="/")
+    out, _ = proc.communicate(timeout=30)
+    assert (proc.returncode, out.split()) == (0, ["hi", "1777"]), out
+    turn.complete()
+
+
 def test_cli_run_seal_writable_and_its_bad_input(cgroup2_root, state_dir, tmp_path):
     given = tmp_path / "given"
     given.mkdir()

@@ -85,7 +85,7 @@ def command(writable: list[str], cwd, identity: Identity | None, filter_fd: int)
     """
     args = [helper(BWRAP, "bubblewrap"), "--unshare-pid", "--unshare-cgroup", "--unshare-ipc",
             "--ro-bind", "/", "/", "--proc", sandbox.PROC, *PROC_READ_ONLY,
-            "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
+            "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp", "--tmpfs", "/run"]  # --perms: bwrap 0.6
     for path, rw in _binds(writable, cwd):
         args += ["--bind" if rw else "--ro-bind", path, path]
     caps = _caps(identity)
