@@ -37,6 +37,7 @@ import sys
 
 from .. import reasons
 from ..errors import CgturnError, TurnExists
+from ..limits import PAGE_SIZE, under_one_page
 from . import common, run_reporter
 from .run_reporter import limit_messages
 
@@ -159,10 +160,9 @@ def _below_one_page(limits) -> str | None:
     limit down to whole pages (mm/page_counter.c), so such a turn holds no page at all and every exec
     in it fails; on the clone3 path even the child's report of that failure needs a page of the turn,
     so the spawn would look clean and CMD seem to exit 255. Refused before anything is made."""
-    value = limits.memory_max if limits is not None else None
-    page = os.sysconf("SC_PAGE_SIZE")
-    if isinstance(value, int) and value < page:
-        return (f"its memory limit ({common.format_size(value)}) is less than one page ({page} bytes), "
+    value = under_one_page(limits) if limits is not None else None
+    if value is not None:
+        return (f"its memory limit ({common.format_size(value)}) is less than one page ({PAGE_SIZE} bytes), "
                 "the kernel's unit: nothing can start in it")
     return None
 
