@@ -224,16 +224,17 @@ static void reset_signal_handlers(void)
 /* --- the seal (issue 21): a sealed turn's sandbox, built by the child itself ---------------------
  *
  * What bubblewrap builds for a sealed spawn (backends/seal.py), without exec'ing it: the child is
- * cloned into the turn's cgroup and into new PID, mount and IPC namespaces, so it is PID 1 there. It makes its mounts private (MS_SLAVE, as bwrap), clones the
- * paths it binds back and the device nodes it keeps while they are still the host's (open_tree), makes
- * the whole tree read-only, nosuid and nodev in ONE call (mount_setattr AT_RECURSIVE, Linux 5.12:
- * bwrap remounts every submount one by one), mounts a fresh /proc with its host-state files bound
- * read-only, a minimal /dev (tmpfs, the six nodes bwrap keeps, a new devpts), private /tmp and /run,
- * moves the binds in, enters the turn's network namespace and a cgroup namespace rooted at the turn,
- * and starts the target (PID 2, CLONE_VFORK), which drops to the kept capabilities, sets
- * no_new_privs and installs the syscall filter just before it execs; then PID 1 drops every
- * capability and execs the namespace's init (SEAL_INIT_ELF). Like the unsealed child, it runs in
- * the caller's memory (CLONE_VM | CLONE_VFORK) until that exec.
+ * cloned into the turn's cgroup and into new PID, mount and IPC namespaces, so it is PID 1 there. It
+ * makes its mounts private (MS_SLAVE, as bwrap), clones the paths it binds back while they are still
+ * the host's (open_tree), makes the whole tree read-only, nosuid and nodev in ONE call (mount_setattr
+ * AT_RECURSIVE, Linux 5.12: bwrap remounts every submount one by one), mounts a fresh /proc with its
+ * host-state files bound read-only, a minimal /dev (tmpfs, the six nodes bwrap keeps, a new devpts),
+ * private /tmp and /run, moves the binds in, enters the turn's network namespace and a cgroup
+ * namespace rooted at the turn, cuts the bounding set to the kept capabilities and sets no_new_privs
+ * and the syscall filter (for itself and the target alike), and starts the target (PID 2, clone(2)
+ * with CLONE_VFORK), which sets its capability sets and execs; then PID 1 drops every capability and
+ * execs the namespace's init (SEAL_INIT_ELF). Like the unsealed child, it runs in the caller's memory
+ * (CLONE_VM | CLONE_VFORK) until that exec.
  * Only raw system calls and async-signal-safe libc calls, as the rest of the child. */
 #define SEAL_MAX_BINDS 32
 #define SEAL_MAX_PROC_RO 8

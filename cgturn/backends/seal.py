@@ -101,8 +101,8 @@ def command(writable: list[str], cwd, identity: Identity | None, filter_fd: int)
 # capabilities(7) numbers (linux/capability.h) of KEPT_CAPS and ID_CAPS, for the native sandbox.
 CAP_NUMBERS = {"CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_FOWNER": 3, "CAP_FSETID": 4, "CAP_SETGID": 6,
                "CAP_SETUID": 7, "CAP_NET_BIND_SERVICE": 10}
-# Bound in the extension's PID 1 as bwrap's --dev binds them (see _spawn.c, seal_enter), with the
-# remaining steps of command(): the C sandbox takes the same list, in the same order.
+# The flags of each of _binds()'s paths, which the extension's PID 1 binds (see _spawn.c, seal_enter)
+# as command() asks bubblewrap to: the same list, in the same order.
 _BIND_WRITABLE, _BIND_DIR = 1, 2
 
 
