@@ -231,3 +231,18 @@ def test_the_namespace_s_init_is_told_by_its_nspid(cgroup2_manager, tmp_path, na
         assert not pidns.is_namespace_init(2 ** 22 + 1)                   # no such process (above pid_max)
     finally:
         finish(turn, proc)
+
+
+@pytest.mark.xfail(raises=subprocess.TimeoutExpired, strict=True,
+                   reason="cgturn-init keeps no capability: kill(2) of a target of another user is EPERM "
+                          "(docs/security.md); an init with CAP_KILL would reach it")
+def test_terminate_of_a_user_target(cgroup2_manager, tmp_path, native):
+    tmp_path.chmod(0o777)
+    turn = cgroup2_manager.begin_turn("signals", seal=True)
+    proc = turn.spawn([SLEEP, "300"], user="nobody", cwd=str(tmp_path))
+    sandboxed_target(turn, SLEEP)
+    try:
+        proc.terminate()
+        assert proc.wait(timeout=5) == 128 + signal.SIGTERM
+    finally:
+        finish(turn, proc)
