@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -151,3 +152,13 @@ def test_a_refused_sealed_clone_turns_to_bubblewrap_and_leaves_clone3_on(cgroup2
     assert not seal.native_works() and spawn_paths.can_clone3
     turn.abandon("test", grace=0)
     proc.wait(timeout=10)
+
+
+def test_the_embedded_init_is_what_its_source_builds():
+    # _spawn.c's SEAL_INIT_ELF must be scripts/seal_init/seal_init.c built as build.py builds it (no build
+    # id, no .comment: the same source and gcc give the same bytes), or the source reviewed is not what runs
+    if shutil.which("gcc") is None or shutil.which("strip") is None:
+        pytest.skip("gcc and strip build the init (build.py)")
+    out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "seal_init", "build.py"), "--check"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
