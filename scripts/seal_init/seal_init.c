@@ -1,28 +1,29 @@
 /* The init of a sealed turn's PID namespace (PID 1): forward every signal it is sent to PID 2 (the
- * target), reap every child, exit with PID 2's status (the target's; 128+N for a signal N). cgturn/_spawn.c
- * embeds the static executable this builds (SEAL_INIT_ELF) and execs it from a memfd in the sandbox's
- * PID 1, once the target (PID 2) has exec'd: a program without libc, so the init costs one small exec,
- * and holds no copy of the caller's memory. Rebuild the array with `python3 scripts/seal_init/build.py`
- * (gcc, x86_64); the same source and compiler give the same bytes.
+ * target), reap every child, exit with PID 2's status (the target's; 128+N for a signal N).
+ * cgturn/_spawn.c embeds the static executable this builds (SEAL_INIT_ELF) and execs it from a memfd in
+ * the sandbox's PID 1, once the target (PID 2) has exec'd: a program without libc, so the init costs
+ * one small exec, and holds no copy of the caller's memory. Rebuild the array with
+ * `python3 scripts/seal_init/build.py` (gcc, x86_64); the same source and compiler give the same
+ * bytes, and `build.py --check` compares them with the array.
  *
- * What it takes from tini (src/tini.c) and bubblewrap's init (bubblewrap.c, do_init):
+ * What it takes from tini (src/tini.c) and bubblewrap's init (bubblewrap.c, do_init), and why:
  * - tini's loop: every signal blocked, taken with sigtimedwait, SIGCHLD kept to reap and every other
- *   one sent on to the child with kill(2) (ESRCH ignored: the child may be gone). Popen.pid is this
+ *   one sent on to the child with kill(2) (an error ignored: the child may be gone). Popen.pid is this
  *   init, so terminate(), send_signal() and os.kill(p.pid, ...) reach the target through it (the
  *   kernel drops a signal an init has no handler for, pid_namespaces(7), but queues one it blocks:
- *   kernel/signal.c, sig_ignored).
- *   bubblewrap's init forwards nothing; tini's synchronous signals (SIGSEGV, ...) cannot happen in
- *   this code, and it writes to no terminal (its SIGTTOU/SIGTTIN), so none is left out.
+ *   kernel/signal.c, sig_ignored). tini leaves the synchronous signals (SIGSEGV, ...) unblocked, which
+ *   this code cannot raise, and ignores SIGTTIN/SIGTTOU, which only a terminal's writer gets: none is
+ *   left out here. bubblewrap's init forwards nothing (its outer process neither).
  * - tini's isolate_child, turned round: this init leaves the caller's process group for one of its own
- *   (setpgid(0, 0)) and the target stays where the caller put it. A terminal's Ctrl-C, or a
- *   killpg of the caller's group, then reaches the target once, directly, not a second time forwarded
- *   (many programs take a second SIGINT or SIGTERM as "stop now"); os.killpg(p.pid, ...) reaches this
+ *   (setpgid(0, 0)) and the target stays where the caller put it. A terminal's Ctrl-C, or a killpg of
+ *   the caller's group, then reaches the target once, directly, not a second time forwarded (many
+ *   programs take a second SIGINT or SIGTERM as "stop now"); os.killpg(p.pid, ...) reaches this
  *   group, so the target, once. cgturn's abandon signals every member by host pid but this init.
  * - bubblewrap's exit status: 128+N for a target killed by signal N (propagate_exit_status): an init
  *   cannot die of a signal it sends itself.
  * SIGKILL and SIGSTOP cannot be blocked: SIGKILL ends the init, and the kernel then kills the whole
- * namespace. The init has no capability: a target that runs as another user (user=) is not its to
- * signal (kill(2): EPERM), so such a signal is dropped. */
+ * namespace; SIGSTOP stops the init alone. The init keeps no capability: a target that runs as another
+ * user (user=) is not its to signal (kill(2): EPERM), so such a signal is dropped. */
 typedef unsigned long u64;
 static inline long sc4(long n, long a, long b, long c, long d)
 {
