@@ -263,3 +263,33 @@ def test_terminate_of_a_user_target(cgroup2_manager, tmp_path, native):
         assert proc.wait(timeout=5) == 128 + signal.SIGTERM
     finally:
         finish(turn, proc)
+
+
+# Sends SIGUSR1 to its namespace's PID 1 (cgturn-init) and prints what comes back to it.
+REFLECT = r'''
+import os, select, signal
+r, w = os.pipe()
+os.set_blocking(w, False)
+signal.set_wakeup_fd(w)
+signal.signal(signal.SIGUSR1, lambda *_: None)
+os.kill(1, signal.SIGUSR1)
+print(signal.Signals(os.read(r, 1)[0]).name if select.select([r], [], [], 30)[0] else "nothing", flush=True)
+'''
+
+
+def test_a_sealed_process_s_signal_to_its_init_comes_back_to_itself_only(cgroup2_manager, tmp_path, native):
+    # the init forwards to PID 2 of its own namespace and nowhere else: not to another spawn of the turn
+    # (another sandbox), not to the caller
+    turn = cgroup2_manager.begin_turn("signals", seal=True)
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    other, _ = start(turn, other_dir)
+    caller_got: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda sig, _: caller_got.append(sig))
+    try:
+        out = turn.spawn([PY, "-c", REFLECT], stdout=subprocess.PIPE, text=True, cwd=str(tmp_path))
+        assert out.communicate(timeout=60)[0].strip() == "SIGUSR1"
+        assert got(other_dir) == [] and caller_got == []
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        finish(turn, other)
