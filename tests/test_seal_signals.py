@@ -8,7 +8,8 @@ to the turn or to its Popen must reach it as it would reach an unsealed process,
   through cgturn-init, wait() returns the target's status (128+N when a signal N killed it), and
   kill() ends the whole namespace, grandchildren too;
 - a terminal's Ctrl-C (a signal to the caller's process group) reaches the target once, not a
-  second time through the init;
+  second time through the init; a sealed process's signal to its init comes back to it, and goes
+  nowhere else; a user= target is out of the init's reach (a strict xfail: docs/security.md);
 - bubblewrap: terminate() reaches its outer process only, which dies of it, and the target stays in
   the turn until the turn is abandoned (docs/security.md says so).
 
