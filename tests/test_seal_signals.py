@@ -261,7 +261,7 @@ def test_terminate_of_a_user_target(cgroup2_manager, tmp_path, native):
     sandboxed_target(turn, SLEEP)
     try:
         proc.terminate()
-        assert proc.wait(timeout=5) == 128 + signal.SIGTERM
+        assert proc.wait(timeout=3) == 128 + signal.SIGTERM
     finally:
         finish(turn, proc)
 
