@@ -1,7 +1,8 @@
 """The extension's own sandbox for a sealed spawn (cgturn/_spawn.c, backends/seal.py native()): what it
 does differently from bubblewrap, which the red team (test_seal_attacks.py, every attack on this path
 too) does not see: its PID 1 is the small static init, holding no copy of the caller and no
-capability; the target's status comes through it; Popen.kill() ends the whole namespace; a caller
+capability, in a process group of its own; the target's status comes through it; Popen.kill() ends
+the whole namespace (the signals it forwards: test_seal_signals.py); a caller
 that ignores SIGCHLD still gets the target's status; the seal's choice falls back to bubblewrap when
 the sandbox cannot be built.
 """
@@ -11,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -60,15 +62,26 @@ def test_the_target_s_status_comes_through_the_init(cgroup2_manager, tmp_path):
     turn.complete()
 
 
-def test_popen_kill_ends_the_whole_namespace_and_terminate_only_the_init_s_view(cgroup2_manager, tmp_path):
+def test_popen_kill_ends_the_whole_namespace(cgroup2_manager, tmp_path):
     turn = cgroup2_manager.begin_turn("native", seal=True)
     proc = turn.spawn(["sleep", "300"], cwd=str(tmp_path))
     target = sandboxed_target(turn, SLEEP)
-    proc.terminate()              # taken and dropped by the init: a forwarded copy would be a second SIGTERM
     proc.kill()                   # SIGKILL cannot be blocked: the init ends, and the kernel kills PID 2 with it
     assert proc.wait(timeout=10) == -signal.SIGKILL
     assert wait_until(lambda: not os.path.exists(f"/proc/{target}") or status_of(target)["State"].startswith("Z"))
     turn.complete()
+
+
+def test_the_init_leads_a_process_group_of_its_own(cgroup2_manager, tmp_path):
+    # so a signal to the caller's group (a terminal's Ctrl-C) reaches the target once, not again forwarded
+    turn = cgroup2_manager.begin_turn("native", seal=True)
+    proc = turn.spawn(["sleep", "300"], cwd=str(tmp_path))
+    target = sandboxed_target(turn, SLEEP)
+    assert wait_until(lambda: open(f"/proc/{proc.pid}/cmdline", "rb").read() == b"cgturn-init\0")
+    assert wait_until(lambda: os.getpgid(proc.pid) == proc.pid)
+    assert os.getpgid(target) == os.getpgrp() != proc.pid          # the target stays where the caller put it
+    turn.abandon("test", grace=0)
+    proc.wait(timeout=10)
 
 
 def test_a_caller_that_ignores_sigchld_still_gets_the_target_s_status(cgroup2_manager, tmp_path):
@@ -139,3 +152,13 @@ def test_a_refused_sealed_clone_turns_to_bubblewrap_and_leaves_clone3_on(cgroup2
     assert not seal.native_works() and spawn_paths.can_clone3
     turn.abandon("test", grace=0)
     proc.wait(timeout=10)
+
+
+def test_the_embedded_init_is_what_its_source_builds():
+    # _spawn.c's SEAL_INIT_ELF must be scripts/seal_init/seal_init.c built as build.py builds it (no build
+    # id, no .comment: the same source and gcc give the same bytes), or the source reviewed is not what runs
+    if shutil.which("gcc") is None or shutil.which("strip") is None:
+        pytest.skip("gcc and strip build the init (build.py)")
+    out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "seal_init", "build.py"), "--check"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

@@ -140,7 +140,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def signal_members(self, record: TurnRecord, sig: int) -> list[int]:
-        """Send `sig` to every member; returns the pids signalled."""
+        """Send `sig` to every member; returns the pids reached. In a sealed turn each PID
+        namespace's init is reached through its target (it forwards what it gets), not signalled."""
 
     @abc.abstractmethod
     def kill_members(self, record: TurnRecord) -> list[int]:

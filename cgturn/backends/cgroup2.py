@@ -386,7 +386,7 @@ class Cgroup2Backend(Backend):
     # --- killing: the killer's, on the turn's cgroup ---------------------------------------------------
 
     def signal_members(self, record, sig) -> list[int]:
-        return self.killer.signal(self._cg(record), sig)
+        return self.killer.signal(self._cg(record), sig, spare_inits=record.sealed)
 
     def kill_members(self, record) -> list[int]:
         return self.killer.kill(self._cg(record))

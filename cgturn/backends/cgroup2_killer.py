@@ -18,7 +18,7 @@ import signal
 from typing import Callable
 
 from ..errors import UnsafeOperation
-from ..kernel import procfs
+from ..kernel import pidns, procfs
 from ..kernel.cgroupfs import Cgroup, KillUnsupported
 
 log = logging.getLogger("cgturn")
@@ -80,9 +80,12 @@ class CgroupKiller:
         path = self._path_on_mount(rel)
         return path is not None and (path == cg.path or path.startswith(cg.path + "/"))
 
-    def signal(self, cg: Cgroup, sig: int) -> list[int]:
-        """Send `sig` to every process of `cg`'s subtree still inside it; the pids signalled."""
-        return [pid for pid in self._refuse_protected(cg) if self._signal_if_inside(cg, pid, sig)]
+    def signal(self, cg: Cgroup, sig: int, spare_inits: bool = False) -> list[int]:
+        """Send `sig` to every process of `cg`'s subtree still inside it; the pids reached. With
+        `spare_inits` (a sealed turn), a PID namespace's init is reached through its target, not
+        signalled: it forwards what it gets to the target, which is signalled here (no second copy)."""
+        return [pid for pid in self._refuse_protected(cg)
+                if (spare_inits and pidns.is_namespace_init(pid)) or self._signal_if_inside(cg, pid, sig)]
 
     def _signal_if_inside(self, cg: Cgroup, pid: int, sig: int) -> bool:
         """Signal `pid` only if, once pinned by a pidfd, it is still inside `cg` (no PID-reuse hit)."""
