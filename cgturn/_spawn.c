@@ -232,9 +232,9 @@ static void reset_signal_handlers(void)
  * private /tmp and /run, moves the binds in, enters the turn's network namespace and a cgroup
  * namespace rooted at the turn, cuts the bounding set to the kept capabilities and sets no_new_privs
  * and the syscall filter (for itself and the target alike), and starts the target (PID 2, clone(2)
- * with CLONE_VFORK), which sets its capability sets and execs; then PID 1 drops every capability and
- * execs the namespace's init (SEAL_INIT_ELF). Like the unsealed child, it runs in the caller's memory
- * (CLONE_VM | CLONE_VFORK) until that exec.
+ * with CLONE_VFORK), which sets its capability sets and execs; then PID 1 drops every capability but
+ * CAP_KILL and execs the namespace's init (SEAL_INIT_ELF). Like the unsealed child, it runs in the
+ * caller's memory (CLONE_VM | CLONE_VFORK) until that exec.
  * Only raw system calls and async-signal-safe libc calls, as the rest of the child. */
 #define SEAL_MAX_BINDS 32
 #define SEAL_MAX_PROC_RO 8
@@ -381,6 +381,12 @@ static const unsigned char SEAL_INIT_ELF[] = {
 
 #define SEAL_FAIL(stage) do { report(c, errno, stage); goto fail; } while (0)
 
+/* The init's one capability, CAP_KILL: it forwards what it is sent to its target, which a user=
+ * target (another uid) would refuse it otherwise (kill(2): EPERM). Its reach is its PID namespace,
+ * where it signals only PID 2; the target cannot borrow it (ptrace needs the init's permitted set
+ * to be a subset of the tracer's, and a root target has no CAP_KILL; a user= target another uid). */
+#define SEAL_INIT_CAPS (1ULL << 5)
+
 /* In PID 1 of the new namespaces: the mounts, the network, the cgroup namespace, then the target
  * (child_exec, PID 2), then the init's loop. Returns -1 after a report; else never. */
 static int seal_enter(const struct child *c)
@@ -468,17 +474,18 @@ static int seal_enter(const struct child *c)
      * set cut to the kept capabilities, no_new_privs and the filter, all of which a child inherits
      * (seccomp(2), capabilities(7)). The target then sets only its capability sets. Each bounding-set
      * drop is a credentials commit and a filter costs its compilation, so this halves the sealed
-     * spawn's privilege work. This process's own capabilities stay effective until after the target. */
-    if (seal_bound(s, ~s->caps) != 0 || seal_confine(s) != 0)
+     * spawn's privilege work. CAP_KILL stays for the init (the target drops it from its own bounding
+     * set). This process's own capabilities stay effective until after the target. */
+    if (seal_bound(s, ~(s->caps | SEAL_INIT_CAPS)) != 0 || seal_confine(s) != 0)
         SEAL_FAIL("noexec");
     /* The target, PID 2, shares this memory (the caller's) until it execs, as this child does. clone(2),
      * not clone3: the filter refuses clone3 (its flags sit where a filter cannot read them). */
     if (clone(child_exec, (char *)s->target_stack + CHILD_STACK_SIZE, CLONE_VM | CLONE_VFORK | SIGCHLD,
               (void *)c) < 0)
         SEAL_FAIL("noexec");
-    /* Then this child becomes the init: nothing kept (no capability, no fd but the init's own, the
-     * no_new_privs and filter it already has); the exec releases the caller (CLONE_VFORK). */
-    if (seal_bound(s, s->caps) != 0 || seal_caps(0) != 0)
+    /* Then this child becomes the init: nothing kept but CAP_KILL (SEAL_INIT_CAPS), no fd but the
+     * init's own, the no_new_privs and filter it already has; the exec releases the caller. */
+    if (seal_bound(s, s->caps & ~SEAL_INIT_CAPS) != 0 || seal_caps(SEAL_INIT_CAPS) != 0)
         SEAL_FAIL("noexec");
     /* every fd but the init's and the report pipe (both close-on-exec: the exec closes them) */
     int low = c->errpipe_write < s->init_fd ? c->errpipe_write : s->init_fd;
@@ -587,7 +594,8 @@ static int child_exec(void *arg)
     if (c->process_group >= 0 && setpgid(0, c->process_group) != 0) FAIL("noexec");
     if (c->close_fds)
         close_all_but(c);
-    if (c->seal && seal_caps(c->seal->caps) != 0)  /* the bounding set and the filter came from PID 1 */
+    /* the rest of the bounding set, no_new_privs and the filter came from PID 1 */
+    if (c->seal && (seal_bound(c->seal, SEAL_INIT_CAPS & ~c->seal->caps) != 0 || seal_caps(c->seal->caps) != 0))
         FAIL("noexec");
     sigprocmask(SIG_SETMASK, &c->mask, NULL);
 

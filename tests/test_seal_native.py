@@ -38,16 +38,20 @@ def status_of(pid: int) -> dict[str, str]:
         return {k: v.strip() for k, v in (line.split(":", 1) for line in f)}
 
 
-def test_pid_1_is_the_small_init_without_a_capability_or_a_copy_of_the_caller(cgroup2_manager, tmp_path):
+def test_pid_1_is_the_small_init_with_cap_kill_alone_and_no_copy_of_the_caller(cgroup2_manager, tmp_path):
     turn = cgroup2_manager.begin_turn("native", seal=True)
     proc = turn.spawn(["sleep", "300"], cwd=str(tmp_path))
     target = sandboxed_target(turn, SLEEP)
     assert wait_until(lambda: open(f"/proc/{proc.pid}/cmdline", "rb").read() == b"cgturn-init\0")
-    init = status_of(proc.pid)
+    init, sealed = status_of(proc.pid), status_of(target)
     assert ns_pids(proc.pid)[-1] == 1 and ns_pids(target)[-1] == 2 and proc.pid in turn.pids()
+    kill = f"{1 << 5:016x}"  # CAP_KILL: to forward to a user= target (another uid)
     assert (init["CapEff"], init["CapPrm"], init["CapBnd"], init["NoNewPrivs"], init["Seccomp"]) == \
-        ("0" * 16, "0" * 16, "0" * 16, "1", "2")
-    # the caller's memory is not in it: a 560-byte static program maps a few pages
+        (kill, kill, kill, "1", "2")
+    # the target's bounding set is exactly its kept set: CAP_KILL, kept for the init, is not in it
+    kept = f"{sum(1 << n for n in (0, 1, 3, 4, 10)):016x}"
+    assert (sealed["CapBnd"], sealed["CapEff"]) == (kept, kept)
+    # the caller's memory is not in it: a 616-byte static program maps a few pages
     assert int(init["VmRSS"].split()[0]) < 1024 < int(status_of(os.getpid())["VmRSS"].split()[0])
     turn.abandon("test", grace=0)
     proc.wait(timeout=10)

@@ -9,7 +9,7 @@ to the turn or to its Popen must reach it as it would reach an unsealed process,
   kill() ends the whole namespace, grandchildren too;
 - a terminal's Ctrl-C (a signal to the caller's process group) reaches the target once, not a
   second time through the init; a sealed process's signal to its init comes back to it, and goes
-  nowhere else; a user= target is out of the init's reach (a strict xfail: docs/security.md);
+  nowhere else; a user= target (another uid) is reached too: the init keeps CAP_KILL alone;
 - bubblewrap: terminate() reaches its outer process only, which dies of it, and the target stays in
   the turn until the turn is abandoned (docs/security.md says so).
 
@@ -251,10 +251,8 @@ def test_the_namespace_s_init_is_told_by_its_nspid(cgroup2_manager, tmp_path, na
         finish(turn, proc)
 
 
-@pytest.mark.xfail(raises=subprocess.TimeoutExpired, strict=True,
-                   reason="cgturn-init keeps no capability: kill(2) of a target of another user is EPERM "
-                          "(docs/security.md); an init with CAP_KILL would reach it")
-def test_terminate_of_a_user_target(cgroup2_manager, tmp_path, native):
+def test_terminate_of_a_user_target_reaches_it(  # the init keeps CAP_KILL for this (docs/security.md)
+        cgroup2_manager, tmp_path, native):
     tmp_path.chmod(0o777)
     turn = cgroup2_manager.begin_turn("signals", seal=True)
     proc = turn.spawn([SLEEP, "300"], user="nobody", cwd=str(tmp_path))
