@@ -106,7 +106,7 @@ def make_share(pytest_args: list[str], bench: bool, extension: bool = True) -> s
         log(f"copying the built {built} into the guest's checkout")
     else:
         log(f"no built {EXTENSION} in the guest's checkout" + ("" if extension else " (--no-extension)")
-            + ": its clone3 spawns and the extension's sandbox are skipped, sealed spawns exec bubblewrap")
+            + ": the guest spawns without clone3 and seals with bubblewrap (its clone3 cases skip)")
     for rel in files:
         dst = os.path.join(share, rel)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
