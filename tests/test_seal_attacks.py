@@ -198,6 +198,8 @@ def spawn_path(request, monkeypatch):
     from cgturn.backends import seal
 
     force_spawn_path(monkeypatch, request.param.split("-")[0])
+    if request.param == "clone3" and not seal.native_works():   # else it would run clone3-bwrap's chain again
+        pytest.skip("the extension's sandbox cannot be built here (it needs root and Linux 5.12+)")
     if request.param == "clone3-bwrap":
         monkeypatch.setattr(seal, "native_works", lambda: False)
     return request.param

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Run tests from this checkout on the test host: Debian 13 with systemd 257 as PID 1, pure cgroup v2.
 
-    python3 scripts/testhost/run.py [options] [-- pytest args]     (default pytest args: tests/testhost)
+    python3 scripts/testhost/run.py [options] [-- pytest args]
+    (default pytest args: tests/testhost tests/test_aio_spawn.py tests/test_seal_attacks.py)
 
 Builds the image when its recipe changed (scripts/testhost/image.py; cached under
-/var/cache/cgturn-testhost), copies the checkout to a scratch directory shared with the guest over 9p,
+/var/cache/cgturn-testhost), copies the checkout (with the built C extension, which git ignores) to a
+scratch directory shared with the guest over 9p,
 boots the guest's own kernel with QEMU (`snapshot=on`: every run starts from the pristine image),
 lets scripts/testhost/guest.sh run pytest there with CGTURN_TESTHOST=1, and brings back the pytest
 log, junit XML, the guest's journal and pytest's exit status, which becomes this script's.
@@ -31,9 +33,13 @@ import image  # noqa: E402  (this directory's module, not a package)
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB_STARTED = b"cgturn-testhost: job started"
-# The testhost tests, and the asyncio spawn's on the guest's newer Python (3.13): it builds on
-# asyncio's subprocess transport, whose internals change between Python versions.
-DEFAULT_TESTS = ["-v", "tests/testhost", "tests/test_aio_spawn.py"]
+# The C extension as `pip install -e .` or `setup.py build_ext --inplace` leaves it in the checkout.
+EXTENSION = "cgturn/_spawn.abi3.so"
+EXTENSION_SOURCE = "cgturn/_spawn.c"
+# The testhost tests, the asyncio spawn's on the guest's newer Python (3.13): it builds on asyncio's
+# subprocess transport, whose internals change between Python versions; and the seal's red team on
+# every chain (the extension's sandbox, clone3 then bubblewrap, the shim) against v2 limits.
+DEFAULT_TESTS = ["-v", "tests/testhost", "tests/test_aio_spawn.py", "tests/test_seal_attacks.py"]
 # A working KVM guest reaches the job in seconds; a broken one (e.g. a paravirtual /dev/kvm on which
 # QEMU aborts on an MSR or the guest hits emulation failures) must not cost more than this.
 KVM_BOOT_LIMIT = 25.0
@@ -64,11 +70,44 @@ def checkout_files(src: str) -> list[str]:
         return files
 
 
-def make_share(pytest_args: list[str], bench: bool) -> str:
-    """A scratch copy of the checkout plus the job: the guest's root may write anywhere in it."""
+def built_extension(src: str) -> str | None:
+    """The checkout's built C extension (relative path), which git ignores, or None when it is not built.
+
+    Only the stable-ABI build: it is built for CPython 3.11's limited API (setup.py) and against glibc
+    2.9's symbols, so it loads in the guest's Python 3.13 and glibc 2.41; a version-tagged build would not.
+    """
+    if not os.path.isfile(os.path.join(src, EXTENSION)):
+        return None
+    source = os.path.join(src, EXTENSION_SOURCE)
+    if os.path.isfile(source) and os.path.getmtime(source) > os.path.getmtime(os.path.join(src, EXTENSION)):
+        log(f"{EXTENSION} is older than {EXTENSION_SOURCE}: the guest runs the old build "
+            "(python3 setup.py build_ext --inplace)")
+    return EXTENSION
+
+
+def make_share(pytest_args: list[str], bench: bool, extension: bool = True) -> str:
+    """A scratch copy of the checkout plus the job: the guest's root may write anywhere in it.
+
+    Args:
+        pytest_args: what pytest gets in the guest ([]: no pytest).
+        bench: also run the systemd-run comparison.
+        extension: also copy the built C extension, which git ignores: the guest has no compiler, and
+            without it every spawn there takes the shim or posix_spawn, every sealed one bubblewrap.
+
+    Returns:
+        The directory, shared with the guest over 9p.
+    """
     share = tempfile.mkdtemp(prefix="cgturn-testhost-share-")
     os.chmod(share, 0o755)  # the guest's unprivileged test user reads the checkout too
-    for rel in checkout_files(CHECKOUT):
+    files = checkout_files(CHECKOUT)
+    built = built_extension(CHECKOUT) if extension else None
+    if built is not None:
+        files.append(built)
+        log(f"copying the built {built} into the guest's checkout")
+    else:
+        log(f"no built {EXTENSION} in the guest's checkout" + ("" if extension else " (--no-extension)")
+            + ": the guest spawns without clone3 and seals with bubblewrap (its clone3 cases skip)")
+    for rel in files:
         dst = os.path.join(share, rel)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         shutil.copy2(os.path.join(CHECKOUT, rel), dst)
@@ -192,11 +231,14 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: a new directory under $TMPDIR)")
     p.add_argument("--bench", action="store_true", help="also run scripts/testhost/bench_systemd_run.py")
     p.add_argument("--no-tests", action="store_true", help="run no pytest (e.g. only --bench)")
+    p.add_argument("--no-extension", action="store_true",
+                   help="leave the built C extension out of the guest's checkout (as git sees it)")
     p.add_argument("--build-only", action="store_true", help="build the image if needed, boot nothing")
     p.add_argument("--rebuild", action="store_true", help="build the image even if a cached one exists")
     p.add_argument("--memory", type=int, default=2048, help="guest memory, MiB")
     p.add_argument("--cpus", type=int, default=min(2, os.cpu_count() or 1))
-    p.add_argument("pytest_args", nargs="*", help="after --: pytest arguments (default: tests/testhost tests/test_aio_spawn.py)")
+    p.add_argument("pytest_args", nargs="*", help="after --: pytest arguments (default: tests/testhost "
+                   "tests/test_aio_spawn.py tests/test_seal_attacks.py)")
     args = p.parse_args(argv)
 
     t0 = time.monotonic()
@@ -213,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_tests and not args.bench:
         log("nothing to run (--no-tests without --bench)")
         return 2
-    share = make_share(pytest_args, args.bench)
+    share = make_share(pytest_args, args.bench, extension=not args.no_extension)
     results = args.results or tempfile.mkdtemp(prefix="cgturn-testhost-results-")
     os.makedirs(results, exist_ok=True)
     try:
