@@ -1,6 +1,7 @@
 """The posix_spawn path (glibc 2.39+ posix_spawnattr_setcgroup_np) for real: the test host has glibc
-2.41 and no built C extension; the development machine has glibc 2.36. The path is forced with the
-capability flags (as trio does): the extension's path off, the C library's on; then the Popen
+2.41 (and the host's built C extension, which run.py copies in); the development machine has glibc
+2.36. The path is forced with the capability flags (as trio does): the extension's path off, the C
+library's on; then the Popen
 behaviour tests of tests/test_native_spawn.py run on it: the target reads /proc/self/cgroup as its
 first act, pipes both ways, cwd, env, exec failures and their filenames, sessions, signal state,
 spawns racing abandons.
