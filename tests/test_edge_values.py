@@ -201,7 +201,7 @@ def test_run_with_a_refused_limit_exits_125_and_leaves_no_directory(cgroup2_mana
 # --- a memory limit too small to start the command -------------------------------------------------
 
 # `run` without its sentinel: what these check is how CMD starts inside the limit, and the sentinel's
-# own start has a bound of its own (sentinel.READY_TIMEOUT, 10 s) that the test host under emulation
+# own start has a bound of its own (sentinel.READY_TIMEOUT, then 10 s) that the test host under emulation
 # and a loaded machine missed (exit 125, "the sentinel could not start": the right answer to another
 # question). The sentinel's start is tested in tests/test_sentinel*.py.
 NO_SENTINEL = {**os.environ, "CGTURN_SENTINEL": "0"}
