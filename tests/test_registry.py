@@ -148,6 +148,31 @@ def test_env_cleared_escaper_is_missed(registry, escapers):
     assert alive(pid)  # the escapers fixture kills it at teardown
 
 
+def test_a_daemon_caught_inside_execve_is_still_found_by_its_environment(registry, tmp_path):
+    """A process between two images reads as having no environment (the kernel's mm->env_end is 0
+    until the ELF loader lays out the new stack): a daemon found only by its environment must not drop
+    out of a pass for being inside execve(2) at that moment. The daemon here execs itself in a loop,
+    so many passes catch it there (about one in fifteen did before membership read it again)."""
+    from cgturn.backends.registry_members import Snapshot
+
+    mgr = registry()
+    turn = mgr.begin_turn("exec", "loop")
+    loop = tmp_path / "exec-loop.sh"
+    loop.write_text(f"exec /bin/sh {loop}\n")
+    turn.spawn(["sh", "-c", f"setsid -f /bin/sh {loop} </dev/null >/dev/null 2>&1"]).wait()
+    marker = f"/bin/sh {loop}"
+    assert wait_until(lambda: [p for p in procfs.all_pids() if procfs.cmdline(p) == marker], 10)
+    [daemon] = [p for p in procfs.all_pids() if procfs.cmdline(p) == marker]
+    passes, missed = 300, 0
+    for _ in range(passes):
+        if daemon not in Snapshot(mgr.backend.scope).tagged:
+            missed += 1
+    result = turn.abandon("test", grace=0)
+    assert missed == 0, f"{missed} of {passes} passes missed the daemon"
+    assert daemon in result.killed
+    assert wait_until(lambda: not alive(daemon), 5)
+
+
 def test_fork_storm_ends_with_no_survivors(registry):
     mgr = registry()
     turn = mgr.begin_turn("storm", "t")

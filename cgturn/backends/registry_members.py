@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import select
+import time
 
 from ..errors import AccessDenied
 from ..kernel import procfs
@@ -36,7 +37,7 @@ class Snapshot:
             self.children.setdefault(st.ppid, []).append(pid)
             if pid == 2 or st.ppid == 2 or st.state in ("Z", "X"):
                 continue  # kernel threads have no environment; a zombie's is gone
-            tag = turn_tag(procfs.environ(pid), scope)
+            tag = turn_tag(settled_environ(pid), scope)
             if tag is not None:
                 self.tagged[pid] = tag
 
@@ -48,6 +49,46 @@ class Snapshot:
 
     def member(self, pid: int) -> Member:
         return pid, self.stats[pid].start_time
+
+
+# How long one snapshot waits for a process between two images (below) to show its environment.
+# execve(2) builds the new image in microseconds; under software emulation and load, in milliseconds.
+EXEC_SETTLE_SECONDS = 0.05
+
+
+def settled_environ(pid: int) -> dict[str, str] | None:
+    """The initial environment of `pid` (None when gone or unreadable), read again while the
+    process is between two images.
+
+    A process inside execve(2) reads as having no environment *and* no command line: from the switch
+    to the new image's memory until the ELF loader lays out its stack, mm->env_end is 0 and
+    fs/proc/base.c returns nothing ("Ensure the process spawned far enough to have an
+    environment"); an open made before the switch reads nothing after it. A turn's daemon caught
+    there would be missed by the pass (a `sleep` its shell forked, execing, while the shell exited).
+    An environment that reads empty while the command line reads non-empty on both sides of it is
+    really empty (`env -i`).
+    """
+    env = procfs.environ(pid)
+    deadline = None
+    while env == {}:
+        if procfs.cmdline(pid):
+            env = procfs.environ(pid)
+            if env or procfs.cmdline(pid):
+                return env
+        else:
+            try:
+                st = procfs.stat(pid)
+            except AccessDenied:
+                return None
+            if st is None or st.exited:
+                return None  # gone, or a zombie: no environment to find
+        now = time.monotonic()
+        deadline = deadline or now + EXEC_SETTLE_SECONDS
+        if now >= deadline:
+            return env
+        time.sleep(0.0005)
+        env = procfs.environ(pid)
+    return env
 
 
 def collect(recorded: list[Member], key: tuple[str, str], snap: Snapshot, protected: set[int]) -> set[Member]:
