@@ -163,7 +163,7 @@ def test_a_daemon_caught_inside_execve_is_still_found_by_its_environment(registr
     marker = f"/bin/sh {loop}"
     assert wait_until(lambda: [p for p in procfs.all_pids() if procfs.cmdline(p) == marker], 10)
     [daemon] = [p for p in procfs.all_pids() if procfs.cmdline(p) == marker]
-    passes, missed = 300, 0
+    passes, missed = 150, 0
     for _ in range(passes):
         if daemon not in Snapshot(mgr.backend.scope).tagged:
             missed += 1

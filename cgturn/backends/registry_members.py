@@ -51,11 +51,10 @@ class Snapshot:
         return pid, self.stats[pid].start_time
 
 
-# How long one snapshot waits for a process between two images (below) to show its environment.
-# execve(2) builds the new image in microseconds; under software emulation and load, in milliseconds.
-EXEC_SETTLE_SECONDS = 0.05
-
-
+# How long one snapshot waits for a process between two images (below) to show its environment:
+# execve(2) builds the new image in microseconds, but it reads the program's and the ELF interpreter's
+# headers from disk in between (milliseconds when the cache is cold, more under emulation and load).
+EXEC_SETTLE_SECONDS = 1.0
 def settled_environ(pid: int) -> dict[str, str] | None:
     """The initial environment of `pid` (None when gone or unreadable), read again while the
     process is between two images.
@@ -86,7 +85,7 @@ def settled_environ(pid: int) -> dict[str, str] | None:
         deadline = deadline or now + EXEC_SETTLE_SECONDS
         if now >= deadline:
             return env
-        time.sleep(0.0005)
+        time.sleep(0.001)
         env = procfs.environ(pid)
     return env
 
