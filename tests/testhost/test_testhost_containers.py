@@ -188,6 +188,26 @@ def scenario_no_init(state: str) -> dict:
     return out
 
 
+def _what_the_registry_sees(pid: int, scope: str) -> dict:
+    """A missed process as /proc shows it now: its state and parent, its command line, whether its
+    environment names the registry's scope."""
+    seen: dict = {"scope": scope}
+    for name in ("stat", "cmdline", "environ"):
+        try:
+            with open(f"/proc/{pid}/{name}", "rb") as f:
+                data = f.read()
+        except OSError as err:
+            seen[name] = f"{type(err).__name__}: {err}"
+            continue
+        if name == "stat":
+            seen[name] = data.decode().rsplit(")", 1)[1].split()[:2]
+        elif name == "cmdline":
+            seen[name] = data.decode(errors="replace").replace("\0", " ")
+        else:
+            seen[name] = sorted(e.decode(errors="replace") for e in data.split(b"\0") if e.startswith(b"CGTURN_"))
+    return seen
+
+
 def scenario_read_only(state: str) -> dict:
     """A read-only cgroupfs: doctor explains, the registry fallback owns turns, nothing crashes."""
     out: dict = {"doctor": _doctor(state), "pid": os.getpid()}
@@ -201,6 +221,8 @@ def scenario_read_only(state: str) -> dict:
         killed = turn.abandon("test", grace=0).killed
         out["child"], out["killed"] = child, sorted(killed)
         out["killed_child"] = child in killed and _gone([child])
+        if not out["killed_child"]:  # what the registry would have had to see
+            out["missed"] = _what_the_registry_sees(child, mgr.backend.scope)
         p.wait()
     return out
 
@@ -271,16 +293,16 @@ class _Running:
 
     def _collect(self, work) -> None:
         try:
-            self._result = work(self)
+            result = work(self)
         except Exception as err:  # reported by data(), in the test that asks
-            self._result = (1, "", f"{type(err).__name__}: {err}")
-        finally:
-            self.result_ready()
+            result = (1, "", f"{type(err).__name__}: {err}")
+        self.result_ready(result)
 
-    def result_ready(self) -> None:
-        """The work's result is in: data() may return while cleanup steps still run."""
+    def result_ready(self, result: tuple[int, str, str]) -> None:
+        """The work's result is in (exit code, stdout, stderr): data() may return while cleanup steps
+        still run. The first result given counts."""
         if not self._done.is_set():
-            self.ended = time.monotonic()
+            self._result, self.ended = result, time.monotonic()
             self._done.set()
 
     def run(self, step: str, argv: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
@@ -387,19 +409,19 @@ def _kube(what: str) -> _Running:
     container = "cgturn-gateway-gateway"
 
     def work(running: _Running) -> tuple[int, str, str]:
+        play = running.run("kube play", ["podman", "kube", "play", "--network", "none", pod_file])
+        if play.returncode != 0:
+            return play.returncode, play.stdout, play.stderr
         try:
-            play = running.run("kube play", ["podman", "kube", "play", "--network", "none", pod_file])
-            if play.returncode != 0:
-                return play.returncode, play.stdout, play.stderr
             waited = running.run("pod's run (podman wait)", ["podman", "wait", container])
             logs = running.run("logs", ["podman", "logs", container], timeout=120)
             code = int(waited.stdout.strip()) if waited.stdout.strip().isdigit() else 1
-            return code, logs.stdout, logs.stderr
+            # The result is in: the test may check it while the pod (its infra container still runs)
+            # goes down; the fixture's teardown waits for that.
+            running.result_ready((code, logs.stdout, logs.stderr))
         finally:
-            # The data is in (data() returns at the event set after this); the pod's infra container
-            # still runs until this, which the teardown waits for.
-            running.result_ready()
             running.run("kube down", ["podman", "kube", "down", pod_file], timeout=300)
+        return code, logs.stdout, logs.stderr
 
     return _Running(what, work)
 
