@@ -250,6 +250,38 @@ def test_protected_pids_survive_real_kill_in_pid_namespace(outer_turn, tmp_path)
     assert report["victim_status"] == -signal.SIGKILL
 
 
+ORPHAN_OF_PID_2 = r"""
+import json, subprocess, sys
+from cgturn import TurnManager
+with TurnManager(backend="registry", state_dir=sys.argv[1]) as mgr:
+    turn = mgr.begin_turn("ns", "orphan")
+    p = turn.spawn(["sh", "-c", "sleep 300 & echo $!"], stdout=subprocess.PIPE, text=True)
+    child = int(p.stdout.readline())
+    p.wait()  # the shell is gone: its sleep reparented to this process, the registry's subreaper
+    with open(f"/proc/{child}/stat") as f:
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    killed = turn.abandon("test", grace=0).killed
+    print(json.dumps({"me": __import__("os").getpid(), "child": child, "ppid": ppid, "killed": killed}))
+"""
+
+
+def test_an_orphan_of_pid_2_in_a_pid_namespace_is_a_member(outer_turn, tmp_path):
+    """In a PID namespace of its own (a container) pid 2 is no kthreadd: it is often the main
+    program, here the registry's caller and child subreaper, and a turn's daemon whose shell exited
+    reparents to it. Membership took every child of pid 2 for a kernel thread and skipped it, so the
+    abandon killed nothing (seen in the test host's read-only-cgroupfs container)."""
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN_OF_PID_2)
+    inner = f"{PY} {script} {tmp_path / 'ns-state'}; true"
+    p = outer_turn.spawn(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", inner],
+                         env=cgturn_env(dict(os.environ)), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err.decode()
+    report = json.loads(out.decode().strip().splitlines()[-1])
+    assert report["me"] == 2 and report["ppid"] == 2, report
+    assert report["child"] in report["killed"], report
+
+
 # --- cross-process atomicity ---------------------------------------------------------------------------
 
 def test_first_transition_wins_across_processes(registry):

@@ -10,7 +10,7 @@ import os
 import select
 import time
 
-from ..errors import AccessDenied
+from ..errors import AccessDenied, KernelError, NoSuchProcess
 from ..kernel import procfs
 from .base import Member, turn_tag
 
@@ -26,6 +26,7 @@ class Snapshot:
         self.children: dict[int, list[int]] = {}
         # pid -> (task_key, turn_key) for processes whose environment names `scope`
         self.tagged: dict[int, tuple[str, str]] = {}
+        kthreadd = KTHREADD if kernel_threads_visible() else None
         for pid in procfs.all_pids():
             try:
                 st = procfs.stat(pid)
@@ -35,7 +36,7 @@ class Snapshot:
                 continue
             self.stats[pid] = st
             self.children.setdefault(st.ppid, []).append(pid)
-            if pid == 2 or st.ppid == 2 or st.state in ("Z", "X"):
+            if kthreadd in (pid, st.ppid) or st.state in ("Z", "X"):
                 continue  # kernel threads have no environment; a zombie's is gone
             tag = turn_tag(settled_environ(pid), scope)
             if tag is not None:
@@ -49,6 +50,25 @@ class Snapshot:
 
     def member(self, pid: int) -> Member:
         return pid, self.stats[pid].start_time
+
+
+# kthreadd, the parent of every kernel thread, is pid 2 of the initial PID namespace (kernel/kthread.c);
+# its stat flags carry PF_KTHREAD (include/linux/sched.h).
+KTHREADD = 2
+PF_KTHREAD = 0x00200000
+
+
+def kernel_threads_visible() -> bool:
+    """Whether this /proc shows kernel threads: pid 2 is kthreadd, so pid 2 and its children are
+    kernel threads. In a PID namespace of its own (a container) no kernel thread is visible, and pid
+    2 is a process like any other: often the container's main program, a child subreaper, to which a
+    turn's orphaned daemons reparent (taking it for kthreadd skipped them all)."""
+    try:
+        stat = procfs.HOST.read(KTHREADD, "stat", whole=True)
+        flags = int(stat.rsplit(b")", 1)[1].split()[6])  # field 9 (flags): the 7th after the name
+    except (KernelError, AccessDenied, NoSuchProcess, ValueError, IndexError):
+        return False  # no pid 2 (or a truncated read of one exiting): not kthreadd, which never exits
+    return bool(flags & PF_KTHREAD)
 
 
 # How long one snapshot waits for a process between two images (below) to show its environment:
