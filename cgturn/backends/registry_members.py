@@ -59,8 +59,9 @@ PF_KTHREAD = 0x00200000
 
 
 def kernel_threads_visible() -> bool:
-    """Whether this /proc shows kernel threads: pid 2 is kthreadd, so pid 2 and its children are
-    kernel threads. In a PID namespace of its own (a container) no kernel thread is visible, and pid
+    """Whether this /proc shows kernel threads (pid 2 is kthreadd, so it and its children are them).
+
+    In a PID namespace of its own (a container) no kernel thread is visible, and pid
     2 is a process like any other: often the container's main program, a child subreaper, to which a
     turn's orphaned daemons reparent (taking it for kthreadd skipped them all)."""
     try:
@@ -75,9 +76,10 @@ def kernel_threads_visible() -> bool:
 # execve(2) builds the new image in microseconds, but it reads the program's and the ELF interpreter's
 # headers from disk in between (milliseconds when the cache is cold, more under emulation and load).
 EXEC_SETTLE_SECONDS = 1.0
+
+
 def settled_environ(pid: int) -> dict[str, str] | None:
-    """The initial environment of `pid` (None when gone or unreadable), read again while the
-    process is between two images.
+    """The initial environment of `pid`, read again while the process is between two images.
 
     A process inside execve(2) reads as having no environment *and* no command line: from the switch
     to the new image's memory until the ELF loader lays out its stack, mm->env_end is 0 and
@@ -86,6 +88,13 @@ def settled_environ(pid: int) -> dict[str, str] | None:
     there would be missed by the pass (a `sleep` its shell forked, execing, while the shell exited).
     An environment that reads empty while the command line reads non-empty on both sides of it is
     really empty (`env -i`).
+
+    Args:
+        pid: the process.
+
+    Returns:
+        Its environment; None when it is gone, a zombie or not ours to read; empty when it really is,
+        or when it was still between two images after EXEC_SETTLE_SECONDS.
     """
     env = procfs.environ(pid)
     deadline = None
