@@ -152,7 +152,7 @@ def test_a_daemon_caught_inside_execve_is_still_found_by_its_environment(registr
     """A process between two images reads as having no environment (the kernel's mm->env_end is 0
     until the ELF loader lays out the new stack): a daemon found only by its environment must not drop
     out of a pass for being inside execve(2) at that moment. The daemon here execs itself in a loop,
-    so many passes catch it there (about one in fifteen did before membership read it again)."""
+    so many passes catch it there (about one in fifteen on the development host)."""
     from cgturn.backends.registry_members import Snapshot
 
     mgr = registry()
@@ -268,8 +268,8 @@ with TurnManager(backend="registry", state_dir=sys.argv[1]) as mgr:
 def test_an_orphan_of_pid_2_in_a_pid_namespace_is_a_member(outer_turn, tmp_path):
     """In a PID namespace of its own (a container) pid 2 is no kthreadd: it is often the main
     program, here the registry's caller and child subreaper, and a turn's daemon whose shell exited
-    reparents to it. Membership took every child of pid 2 for a kernel thread and skipped it, so the
-    abandon killed nothing (seen in the test host's read-only-cgroupfs container)."""
+    reparents to it. Taking the children of pid 2 for kernel threads would skip that daemon, and the
+    abandon would kill nothing (the test host's read-only-cgroupfs container is this case)."""
     script = tmp_path / "orphan.py"
     script.write_text(ORPHAN_OF_PID_2)
     inner = f"{PY} {script} {tmp_path / 'ns-state'}; true"

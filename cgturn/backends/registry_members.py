@@ -63,7 +63,7 @@ def kernel_threads_visible() -> bool:
 
     In a PID namespace of its own (a container) no kernel thread is visible, and pid
     2 is a process like any other: often the container's main program, a child subreaper, to which a
-    turn's orphaned daemons reparent (taking it for kthreadd skipped them all)."""
+    turn's orphaned daemons reparent (taking it for kthreadd would skip them all)."""
     try:
         stat = procfs.HOST.read(KTHREADD, "stat", whole=True)
         flags = int(stat.rsplit(b")", 1)[1].split()[6])  # field 9 (flags): the 7th after the name
