@@ -148,6 +148,31 @@ def test_env_cleared_escaper_is_missed(registry, escapers):
     assert alive(pid)  # the escapers fixture kills it at teardown
 
 
+def test_a_daemon_caught_inside_execve_is_still_found_by_its_environment(registry, tmp_path):
+    """A process between two images reads as having no environment (the kernel's mm->env_end is 0
+    until the ELF loader lays out the new stack): a daemon found only by its environment must not drop
+    out of a pass for being inside execve(2) at that moment. The daemon here execs itself in a loop,
+    so many passes catch it there (about one in fifteen on the development host)."""
+    from cgturn.backends.registry_members import Snapshot
+
+    mgr = registry()
+    turn = mgr.begin_turn("exec", "loop")
+    loop = tmp_path / "exec-loop.sh"
+    loop.write_text(f"exec /bin/sh {loop}\n")
+    turn.spawn(["sh", "-c", f"setsid -f /bin/sh {loop} </dev/null >/dev/null 2>&1"]).wait()
+    marker = f"/bin/sh {loop}"
+    assert wait_until(lambda: [p for p in procfs.all_pids() if procfs.cmdline(p) == marker], 10)
+    [daemon] = [p for p in procfs.all_pids() if procfs.cmdline(p) == marker]
+    passes, missed = 150, 0
+    for _ in range(passes):
+        if daemon not in Snapshot(mgr.backend.scope).tagged:
+            missed += 1
+    result = turn.abandon("test", grace=0)
+    assert missed == 0, f"{missed} of {passes} passes missed the daemon"
+    assert daemon in result.killed
+    assert wait_until(lambda: not alive(daemon), 5)
+
+
 def test_fork_storm_ends_with_no_survivors(registry):
     mgr = registry()
     turn = mgr.begin_turn("storm", "t")
@@ -223,6 +248,38 @@ def test_protected_pids_survive_real_kill_in_pid_namespace(outer_turn, tmp_path)
                                  str(report["victim"]): True}
     assert report["contains_caller"] is True
     assert report["victim_status"] == -signal.SIGKILL
+
+
+ORPHAN_OF_PID_2 = r"""
+import json, subprocess, sys
+from cgturn import TurnManager
+with TurnManager(backend="registry", state_dir=sys.argv[1]) as mgr:
+    turn = mgr.begin_turn("ns", "orphan")
+    p = turn.spawn(["sh", "-c", "sleep 300 & echo $!"], stdout=subprocess.PIPE, text=True)
+    child = int(p.stdout.readline())
+    p.wait()  # the shell is gone: its sleep reparented to this process, the registry's subreaper
+    with open(f"/proc/{child}/stat") as f:
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    killed = turn.abandon("test", grace=0).killed
+    print(json.dumps({"me": __import__("os").getpid(), "child": child, "ppid": ppid, "killed": killed}))
+"""
+
+
+def test_an_orphan_of_pid_2_in_a_pid_namespace_is_a_member(outer_turn, tmp_path):
+    """In a PID namespace of its own (a container) pid 2 is no kthreadd: it is often the main
+    program, here the registry's caller and child subreaper, and a turn's daemon whose shell exited
+    reparents to it. Taking the children of pid 2 for kernel threads would skip that daemon, and the
+    abandon would kill nothing (the test host's read-only-cgroupfs container is this case)."""
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN_OF_PID_2)
+    inner = f"{PY} {script} {tmp_path / 'ns-state'}; true"
+    p = outer_turn.spawn(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", inner],
+                         env=cgturn_env(dict(os.environ)), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err.decode()
+    report = json.loads(out.decode().strip().splitlines()[-1])
+    assert report["me"] == 2 and report["ppid"] == 2, report
+    assert report["child"] in report["killed"], report
 
 
 # --- cross-process atomicity ---------------------------------------------------------------------------

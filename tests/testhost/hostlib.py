@@ -24,23 +24,6 @@ MOUNT = "/sys/fs/cgroup"
 TEST_USER = "cgtest"
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# Under software emulation (TCG: every CI run on the development machine) the guest's whole budget is
-# `.ci/run`'s --timeout. Tests that cost minutes there beyond one case of their kind carry `slow`: they
-# run where the guest has KVM, or when the checkout carries this flag file (`touch
-# .testhost-containers-all` before scripts/testhost/run.py).
-ALL_FLAG = "/share/.testhost-containers-all"
-
-
-def everything() -> bool:
-    """Whether this guest runs the `slow` tests too (KVM, or the flag file)."""
-    virt = subprocess.run(["systemd-detect-virt"], capture_output=True, text=True).stdout.strip()
-    return virt == "kvm" or os.path.exists(ALL_FLAG)
-
-
-slow = pytest.mark.skipif("not everything()", reason="under software emulation (TCG) this costs minutes the "
-                          f"stage's budget does not have: runs under KVM or with {ALL_FLAG} (docs/testhost.md)")
-
-
 @pytest.fixture
 def systemd_host():
     """Fail (not skip) unless this really is the host the tests were written for."""
