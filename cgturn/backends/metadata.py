@@ -47,6 +47,7 @@ log = logging.getLogger("cgturn")
 XATTR_KEY = "user.cgturn"
 GENERATION_KEY = "user.cgturn.generation"  # on the task directory: changes with every record write
 MAX_CACHED_TASKS = 1024  # tasks whose parsed records a store keeps between listings
+MAX_WRITTEN = 1024  # turns whose last written record a store keeps (MetadataStore._written)
 _FILE_STEM_MAX = 200  # longest turn name used as is in a fallback file name (see MetadataStore._file)
 NO_RECORD = "no record"
 # A turn directory gets its record right after its mkdir; one without a record for longer than this
@@ -68,6 +69,11 @@ class MetadataStore:
         # task directory -> (generation token, {(turn name, inode): record}); see the module doc.
         # Records in it are shared between listings: callers must not modify them.
         self._parsed: dict[str, tuple[bytes, dict[tuple[str, int], TurnRecord]]] = {}
+        # turn directory -> (the xattr value this store last wrote there, the fields it encodes): a
+        # read under the turn's lock that finds those very bytes (the owner's complete after its
+        # begin) builds the record from them instead of decoding and verifying the bytes again. Parsing is a pure
+        # function of the bytes and the path, so the copy is what decoding would give.
+        self._written: dict[str, tuple[bytes, dict]] = {}
 
     def _file(self, cg: Cgroup) -> str:
         task, turn = os.path.split(cg.path)
@@ -103,6 +109,9 @@ class MetadataStore:
                     return None, f"record unreadable: {os.strerror(err.errno or 0)}"
                 raw = None
             if raw is not None:
+                mine = self._written.get(cg.path)
+                if mine is not None and mine[0] == raw:
+                    return TurnRecord(**mine[1]), ""
                 return verified(*_decode(raw), path=cg.path)
         try:
             with open(self._file(cg), "rb") as f:
@@ -177,10 +186,13 @@ class MetadataStore:
 
     def save(self, cg: Cgroup, record: TurnRecord) -> None:
         """Store `record` on `cg`: as its xattr, else (refused for this write) as a state-dir file."""
-        raw = _ENCODER.encode({FORMAT_KEY: RECORD_FORMAT, **record.to_json()}).encode("utf-8", "surrogateescape")
+        fields = record.to_json()
+        raw = _ENCODER.encode({FORMAT_KEY: RECORD_FORMAT, **fields}).encode("utf-8", "surrogateescape")
         if self.use_xattrs:
             try:
+                self._written.pop(cg.path, None)
                 cg.set_xattr(XATTR_KEY, raw)
+                self._remember(cg.path, raw, record, fields)
                 self._bump_generation(cg)
                 # A file left by an earlier refused write is not removed here (a failing unlink on
                 # every state change): the xattr is read first, so it is never consulted, a later
@@ -207,9 +219,21 @@ class MetadataStore:
             json.dump(data, f, ensure_ascii=False)
         os.replace(tmp, path)
 
+    def _remember(self, path: str, raw: bytes, record: TurnRecord, fields: dict) -> None:
+        """Keep what was just written at `path`: `fields`, `record`'s stored fields (its own dict, not
+        the record, which the caller may go on changing). Only
+        a record that was made for this directory or read from it verified is kept: a CORRUPT one
+        (`problem` set) would verify no better when read back."""
+        if record.problem is not None or record.state == CORRUPT:
+            return
+        if len(self._written) >= MAX_WRITTEN and path not in self._written:
+            self._written.clear()  # turns that outlive many others are read the long way
+        self._written[path] = (raw, fields)
+
     def forget(self, cg: Cgroup) -> None:
         """Drop the fallback file of a removed turn (the xattr goes with the directory), and its task's
         file directory when that was the last file in it."""
+        self._written.pop(cg.path, None)
         path = self._file(cg)
         try:
             os.unlink(path)
