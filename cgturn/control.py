@@ -137,7 +137,7 @@ class TurnControl:
             if self.backend.wait_empty(rec, 0):
                 self.governance.audit_limits_quietly(task_key, turn_key, usage, rec)
                 if self.backend.remove(rec):
-                    self.backend.turn_removed(rec)
+                    self.backend.remove_task(task_key)
         return won, rec, usage
 
     def abandon_turn(self, task_key: str, turn_key: str, reason: str, grace: float, force: bool = False,

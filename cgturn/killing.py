@@ -100,7 +100,7 @@ def _kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, sta
     else:
         log.error("turn %r of task %r still holds processes after %d kills", rec.turn_id, rec.task_id,
                   KILL_ATTEMPTS, extra=turn_fields(rec.task_id, rec.turn_id, reason, pids=sorted(killed)))
-    backend.turn_removed(rec)
+    backend.remove_task(rec.task_key)
     duration_ms = (time.monotonic() - started) * 1000
     if killed:
         audit.record_kill(state_dir, task=rec.task_id, turn=rec.turn_id, reason=reason, pids=sorted(killed),

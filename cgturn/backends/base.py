@@ -168,11 +168,6 @@ class Backend(abc.ABC):
         """Forget a task that has no turns left. False if it still has some, or has limits of its
         own and not `force` (a task budget holds between turns until end_task)."""
 
-    def turn_removed(self, record: TurnRecord) -> None:
-        """This process removed the turn `record`: forget its task too if that was its last turn
-        (a backend may keep it for the owner's next turn, as the cgroup2 one does)."""
-        self.remove_task(record.task_key)
-
     @abc.abstractmethod
     def task_keys(self) -> list[str]:
         """Keys of every task known here, with or without turns (reap removes the empty ones)."""

@@ -374,6 +374,7 @@ class Cgroup2Backend(Backend):
         self.meta.forget(cg)
         if record.v1_dirs:
             self.layout.remove_v1_dirs(record.task_key, record.turn_key)
+        self._keep_task(record)
         return True
 
     def task_keys(self) -> list[str]:
@@ -384,8 +385,14 @@ class Cgroup2Backend(Backend):
 
     def remove_task(self, task_key, force: bool = False) -> bool:
         """Remove a task directory with no turns left; one with limits of its own stays until
-        `force` (end_task): its budget holds between turns."""
+        `force` (end_task): its budget holds between turns. So does, until `force`, close() or
+        KEPT_TASKS_MAX others, one this process keeps for its next turn there (`_keep_task`)."""
+        if not force and task_key in self._kept_tasks:
+            return False
         self._unkeep(task_key)
+        return self._remove_task_now(task_key, force)
+
+    def _remove_task_now(self, task_key: str, force: bool) -> bool:
         task = self.root.child(task_key)
         if not force and not self.layout.stored_limits(task).is_empty():
             return False
@@ -395,12 +402,11 @@ class Cgroup2Backend(Backend):
             self.layout.remove_v1_dirs(task_key)
         return True
 
-    def turn_removed(self, record) -> None:
-        """The turn's owner keeps its emptied task directory for its next turn of that task (a begin
-        then makes one mkdir, a complete one rmdir, as a bare cgroup's); anyone else removes it now.
-        Kept directories are removed by close(), past KEPT_TASKS_MAX, by end_task and by reap."""
+    def _keep_task(self, record: TurnRecord) -> None:
+        """This process removed the turn `record`. Its owner keeps the task directory for its next
+        turn of that task, so a begin then makes one mkdir and a complete one rmdir, as a bare cgroup
+        does; the directory of a turn someone else ended (the sentinel's, reap's) goes at once."""
         if record.owner_pid != os.getpid():
-            self.remove_task(record.task_key)
             return
         with self._kept_lock:
             self._kept_tasks[record.task_key] = None
@@ -417,7 +423,7 @@ class Cgroup2Backend(Backend):
         """remove_task for a kept directory, quietly: a close or an eviction must not fail its caller
         (a directory left behind is an empty task, which reap removes)."""
         try:
-            self.remove_task(task_key)
+            self._remove_task_now(task_key, force=False)
         except (OSError, CgturnError) as err:
             log.warning("cannot remove the empty task directory %r: %s", task_key, err)
 
