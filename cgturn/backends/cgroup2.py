@@ -189,7 +189,7 @@ class Cgroup2Backend(Backend):
                 continue
             try:
                 self._limit_new_turn(record, cg, task, limits, new_task)
-                self.meta.save(cg, record)
+                self.meta.save(cg, record, new=not new_task)  # a new task gets its first stamp
                 if budget_came_meanwhile(self.layout, self.root, record, task):
                     if len(self._budgeted_tasks) >= SPAWN_TARGETS_MAX:
                         self._budgeted_tasks.clear()  # a hint, not a record: bounded in a long-lived process
