@@ -132,8 +132,19 @@ class Cgroup:
         return [self.child(name) for name, _ in child_entries(self.path)]
 
     def procs_recursive(self) -> list[int]:
-        """Pids in this cgroup and every descendant (a payload may create sub-cgroups)."""
+        """Pids in this cgroup and every descendant (a payload may create sub-cgroups).
+
+        kernfs gives a directory 2 + its number of subdirectories as its link count
+        (kernfs_refresh_inode(), fs/kernfs/inode.c), so one stat, made after the read as the walk
+        would be, tells a leaf (2) and spares the walk; any other count (a filesystem that does not
+        count subdirectories says 1) walks.
+        """
         pids = self.procs()
+        try:
+            if os.stat(self.path).st_nlink == 2:
+                return pids
+        except FileNotFoundError:
+            return pids
         for cg in self.descendants():
             pids.extend(cg.procs())
         return pids
