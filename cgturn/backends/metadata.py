@@ -28,6 +28,7 @@ and killed by any abandon — never as the turn it names. Records carry their fo
 (record_format.py): one written before versions existed reads as format 1, one newer than this code
 reads as CORRUPT with a `problem` naming the version.
 """
+# size: a little over the limit: the record store, the one verification of what it reads back, and the memory of its own last write beside the reads that memory spares.
 from __future__ import annotations
 
 import errno
