@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from conftest import PY, REPO, cli, cgturn_env, turn_dir, wait_until
+from conftest import PY, REPO, cgturn_env, turn_dir, wait_until
 from cgturn import TurnManager
 from cgturn.backends import cgroup2 as cgroup2_backend
 from cgturn.backends.metadata import XATTR_KEY, MetadataStore
