@@ -199,6 +199,7 @@ def test_a_kept_ancestry_is_walked_again_when_an_ancestor_above_the_parent_exits
 
 def test_the_callers_ancestry_is_pinned_by_pidfds_and_reused_while_it_holds():
     me = os.getpid()
+    ancestry.forget()
     first = procfs.ancestors(me)
     pinned = ancestry._PINNED
     assert pinned is not None and pinned.me == me and set(pinned.pids) == first

@@ -300,31 +300,19 @@ def ancestors(pid: int, proc: ProcFS = HOST) -> set[int]:
     (kernel/ancestry.py): an abandon's reading of it is then getppid(2) and one poll(2).
     """
     if proc is HOST and pid == os.getpid():
-        return set(ancestry.own_ancestors(_walk_up, _start_time_or_none))
-    return {up for up, _ in _walk_up(_ppid_or_zero(pid, proc), proc)}
-
-
-def _walk_up(ppid: int, proc: ProcFS = HOST) -> list[tuple[int, int | None]]:
-    """(pid, start time) of `ppid` and its ancestors, PID 1 last and unread (None); a process that
-    cannot be read (gone, or not ours to look at) ends the walk with a start time of None."""
-    out: list[tuple[int, int | None]] = []
-    seen: set[int] = set()
-    while ppid > 0 and ppid not in seen:
-        seen.add(ppid)
+        return set(ancestry.own_ancestors(_host_parent))
+    out: set[int] = set()
+    ppid = _ppid_or_zero(pid, proc)
+    while ppid > 0 and ppid not in out:
+        out.add(ppid)
         if ppid == 1:
-            out.append((1, None))
             break
-        st = _stat_or_none(ppid, proc)
-        out.append((ppid, None if st is None else st.start_time))
-        ppid = 0 if st is None else st.ppid
+        ppid = _ppid_or_zero(ppid, proc)
     return out
 
 
-def _start_time_or_none(pid: int) -> int | None:
-    try:
-        return start_time(pid)
-    except AccessDenied:
-        return None
+def _host_parent(pid: int) -> int:
+    return _ppid_or_zero(pid, HOST)
 
 
 def _ppid_or_zero(pid: int, proc: ProcFS) -> int:
