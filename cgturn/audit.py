@@ -117,30 +117,35 @@ def _append(state_dir: str, entry: dict) -> None:
     log.info(line, extra=turn_fields(entry["task"], entry["turn"], entry["reason"], action=entry.get("action", KILL),
                                      pids=entry.get("pids", []), record=entry))
     path = audit_path(state_dir)
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT
     try:
-        os.makedirs(state_dir, exist_ok=True)
-        fd = statefiles.open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+        try:
+            fd = statefiles.open_regular(path, flags)
+        except FileNotFoundError:  # the state directory's first record: made now, not looked for each time
+            os.makedirs(state_dir, exist_ok=True)
+            fd = statefiles.open_regular(path, flags)
         try:
             # backslashreplace turns a lone surrogate into the JSON escape \udcff: still one valid line.
             data = (line + "\n").encode("utf-8", "backslashreplace")
-            if not _ends_a_line(fd):
+            st = os.fstat(fd)  # one look serves both the line check and the rotation's
+            if not _ends_a_line(fd, st.st_size):
                 data = b"\n" + data  # a short write (a full disk) left half a line: never glue onto it
             os.write(fd, data)
-            _rotate_if_full(fd, path)
+            _rotate_if_full(path, st.st_size + len(data), st.st_ino)
         finally:
             os.close(fd)
     except OSError as err:
         log.warning("cannot append to %s: %s", path, err.strerror or err)
 
 
-def _ends_a_line(fd: int) -> bool:
-    """Whether the log is empty or ends with a newline (every whole write leaves it so)."""
-    size = os.fstat(fd).st_size
+def _ends_a_line(fd: int, size: int) -> bool:
+    """Whether the log, `size` bytes long, is empty or ends with a newline (every whole write leaves it so)."""
     return size == 0 or os.pread(fd, 1, size - 1) == b"\n"
 
 
-def _rotate_if_full(fd: int, path: str) -> None:
-    """Rename the log at `path` (open as `fd`) to generation 1 when it has reached `max_bytes()`.
+def _rotate_if_full(path: str, size: int, inode: int) -> None:
+    """Rename the log at `path` (inode `inode`, at least `size` bytes once this process's record is
+    in: other writers may have appended too) to generation 1 when it has reached `max_bytes()`.
 
     Best effort and never blocking: the kill that wrote the record is done. One writer rotates at a
     time: the one that creates the claim file `<log>.rotating` (O_EXCL) and still finds its file at
@@ -149,8 +154,7 @@ def _rotate_if_full(fd: int, path: str) -> None:
     it is removed, and a later record rotates.
     """
     limit = max_bytes()
-    st = os.fstat(fd)
-    if limit == 0 or st.st_size < limit:
+    if limit == 0 or size < limit:
         return
     claim = path + CLAIM_SUFFIX
     try:
@@ -164,7 +168,7 @@ def _rotate_if_full(fd: int, path: str) -> None:
         log.warning("cannot rotate %s: %s", path, err.strerror or err)
         return
     try:
-        if os.stat(path).st_ino != st.st_ino:
+        if os.stat(path).st_ino != inode:
             return
         for generation in range(KEEP - 1, 0, -1):
             with contextlib.suppress(FileNotFoundError):

@@ -61,6 +61,8 @@ def test_hostile_ids_each_get_their_own_directory(mgr):
     assert listed == {(t, t) for t in hostile}
     for t in turns:
         t.complete()
+    assert not any(os.path.exists(path) for path in paths)  # each turn's cgroup goes with its complete
+    mgr.close()  # the task directories the owner kept for its next turns go with its manager
     assert os.listdir(mgr.backend.root.path) == [] or all(
         not os.path.isdir(os.path.join(mgr.backend.root.path, d)) for d in os.listdir(mgr.backend.root.path))
 

@@ -13,7 +13,7 @@ import pytest
 
 from cgturn import TurnManager
 from cgturn.errors import UnsafeOperation
-from cgturn.kernel import procfs
+from cgturn.kernel import ancestry, procfs
 from cgturn.sentinel_start import SENTINEL_NAME
 from conftest import PY, alive, cgturn_env, wait_until
 
@@ -54,6 +54,7 @@ def test_the_callers_ancestry_is_walked_without_its_own_or_pid_1s_stat(monkeypat
         return out
 
     expected = full_walk(os.getpid())
+    ancestry.forget()  # a reading kept by an earlier test (kernel/ancestry.py) would need no read at all
     read: list[str] = []
     real = procfs.ProcFS.read
     monkeypatch.setattr(procfs.ProcFS, "read", lambda self, pid, what, whole=False:
@@ -61,6 +62,7 @@ def test_the_callers_ancestry_is_walked_without_its_own_or_pid_1s_stat(monkeypat
     assert procfs.ancestors(os.getpid()) == expected and 1 in expected
     assert f"{os.getpid()}/stat" not in read and "1/stat" not in read
     assert len(read) == len(expected) - 1  # one stat read per ancestor but PID 1
+    assert procfs.ancestors(os.getpid()) == expected and len(read) == len(expected) - 1  # kept: no second walk
 
 
 def test_an_abandon_reads_the_record_once_under_the_lock(cgroup2_manager, monkeypatch):

@@ -163,11 +163,11 @@ def test_a_turn_whose_creator_stalls_past_a_task_budget_still_gets_its_v1_dirs(h
     meta = hybrid.backend.meta
     real_save = meta.save
 
-    def stalled_save(cg, record):
+    def stalled_save(cg, record, *args, **kwargs):
         if record.turn_id == "slow" and not saving.is_set():
             saving.set()      # the directory exists, the budgets were read: stall here
             assert resume.wait(DEADLINE)
-        return real_save(cg, record)
+        return real_save(cg, record, *args, **kwargs)
 
     monkeypatch.setattr(meta, "save", stalled_save)
     made: list = []

@@ -13,6 +13,7 @@ turn, its records and state changes under the turn-directory lock, and what a sp
 # size: a little over the limit: the cgroup2 backend's core methods, each a few lines over its composed parts (killer, limiter, placement, isolation, spawn paths); splitting further would scatter one interface.
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cgturn")
 SPAWN_TARGETS_MAX = 1024  # turns whose SpawnTarget a backend keeps
+# Empty task directories a backend keeps for its process's next turn of that task (`turn_removed`):
+# the least recently emptied beyond this many is removed, and close() removes the rest.
+KEPT_TASKS_MAX = 64
 
 
 def _spawn_paths():
@@ -83,6 +87,12 @@ class Cgroup2Backend(Backend):
         self.isolation = TurnIsolation(self.load, self.killer.under)  # sealing, network namespaces
         # (task_key, turn_key, v1_dirs) -> the turn's SpawnTarget and shim hooks (fixed for its life)
         self._spawn_targets: dict[tuple[str, str, bool], tuple[SpawnTarget, ShimHooks]] = {}
+        # Task directories this process made or made private and kept when its last turn went, least
+        # recently emptied first (turn_removed); a begin in one of them makes no mkdir of it.
+        self._kept_tasks: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._kept_lock = threading.Lock()
+        # Tasks where a v1 budget was found after a turn's record: their turns read budgets up front.
+        self._budgeted_tasks: set[str] = set()
 
     @property
     def gates(self) -> "SpawnGates":
@@ -162,23 +172,28 @@ class Cgroup2Backend(Backend):
         task = self.root.child(record.task_key)
         cg = task.child(record.turn_key)
         for _ in range(20):  # a concurrent remove_task may rmdir the task between our two mkdirs
-            new_task = self._create_task(task)
+            kept = record.task_key in self._kept_tasks  # made private by this process: no mkdir, no stat
+            new_task = False if kept else self._create_task(task)
             if new_task:
                 self.layout.enable_v2(task)
-            else:
+            elif not kept:
                 task.make_private()  # made before task directories were private: its lock is ours alone now
             try:
                 cg.make()
             except FileNotFoundError:
+                self._unkeep(record.task_key)  # removed meanwhile (reap, end_task elsewhere): made again
                 continue
             except FileExistsError:
                 if not self._replace_finished(cg):
                     raise TurnExists(f"turn {record.turn_id!r} already exists in task {record.task_id!r}") from None
                 continue
             try:
-                limit_new_turn(self.layout, self.root, record, cg, task, limits, new_task)
-                self.meta.save(cg, record)
+                self._limit_new_turn(record, cg, task, limits, new_task)
+                self.meta.save(cg, record, new=not new_task)  # a new task gets its first stamp
                 if budget_came_meanwhile(self.layout, self.root, record, task):
+                    if len(self._budgeted_tasks) >= SPAWN_TARGETS_MAX:
+                        self._budgeted_tasks.clear()  # a hint, not a record: bounded in a long-lived process
+                    self._budgeted_tasks.add(record.task_key)
                     self.layout.make_v1_dirs(record.task_key, record.turn_key)
                     won, _ = self.transition(record.task_key, record.turn_key, {RUNNING}, RUNNING, {"v1_dirs": True})
                     record.v1_dirs = won   # not won: ended meanwhile, nothing will be spawned into it
@@ -190,6 +205,16 @@ class Cgroup2Backend(Backend):
                 raise
             return
         raise TurnExists(f"could not create turn {record.turn_id!r}: its task directory keeps vanishing")
+
+    def _limit_new_turn(self, record: TurnRecord, cg: Cgroup, task: Cgroup, limits: Limits, new_task: bool) -> None:
+        """limit_new_turn, but for a turn with no limits of its own or by default in a task where no
+        v1 budget was seen: it reads no budget before its record. Whether a task or root budget gives
+        it v1 directories is then answered by the one read after the record (budget_came_meanwhile),
+        the read that must be made anyway to see a budget stored meanwhile."""
+        if limits.is_empty() and record.task_key not in self._budgeted_tasks and self.layout.default_limits().is_empty():
+            record.limits = None
+            return
+        limit_new_turn(self.layout, self.root, record, cg, task, limits, new_task)
 
     def _create_task(self, task: Cgroup) -> bool:
         """mkdir the task directory (True) unless it exists (False). The managed root is made first
@@ -289,6 +314,10 @@ class Cgroup2Backend(Backend):
         return found
 
     def close(self) -> None:
+        with self._kept_lock:
+            kept, self._kept_tasks = list(self._kept_tasks), collections.OrderedDict()
+        for task_key in kept:
+            self._remove_kept(task_key)
         if self._gates is not None:  # never made by a read-only user: nothing to close
             self._gates.close()
         self.isolation.close()
@@ -345,6 +374,7 @@ class Cgroup2Backend(Backend):
         self.meta.forget(cg)
         if record.v1_dirs:
             self.layout.remove_v1_dirs(record.task_key, record.turn_key)
+        self._keep_task(record)
         return True
 
     def task_keys(self) -> list[str]:
@@ -355,7 +385,14 @@ class Cgroup2Backend(Backend):
 
     def remove_task(self, task_key, force: bool = False) -> bool:
         """Remove a task directory with no turns left; one with limits of its own stays until
-        `force` (end_task): its budget holds between turns."""
+        `force` (end_task): its budget holds between turns. So does, until `force`, close() or
+        KEPT_TASKS_MAX others, one this process keeps for its next turn there (`_keep_task`)."""
+        if not force and task_key in self._kept_tasks:
+            return False
+        self._unkeep(task_key)
+        return self._remove_task_now(task_key, force)
+
+    def _remove_task_now(self, task_key: str, force: bool) -> bool:
         task = self.root.child(task_key)
         if not force and not self.layout.stored_limits(task).is_empty():
             return False
@@ -364,6 +401,31 @@ class Cgroup2Backend(Backend):
         if self.layout.v1_dirs():
             self.layout.remove_v1_dirs(task_key)
         return True
+
+    def _keep_task(self, record: TurnRecord) -> None:
+        """This process removed the turn `record`. Its owner keeps the task directory for its next
+        turn of that task, so a begin then makes one mkdir and a complete one rmdir, as a bare cgroup
+        does; the directory of a turn someone else ended (the sentinel's, reap's) goes at once."""
+        if record.owner_pid != os.getpid():
+            return
+        with self._kept_lock:
+            self._kept_tasks[record.task_key] = None
+            self._kept_tasks.move_to_end(record.task_key)
+            evicted = self._kept_tasks.popitem(last=False)[0] if len(self._kept_tasks) > KEPT_TASKS_MAX else None
+        if evicted is not None:
+            self._remove_kept(evicted)
+
+    def _unkeep(self, task_key: str) -> None:
+        with self._kept_lock:
+            self._kept_tasks.pop(task_key, None)
+
+    def _remove_kept(self, task_key: str) -> None:
+        """remove_task for a kept directory, quietly: a close or an eviction must not fail its caller
+        (a directory left behind is an empty task, which reap removes)."""
+        try:
+            self._remove_task_now(task_key, force=False)
+        except (OSError, CgturnError) as err:
+            log.warning("cannot remove the empty task directory %r: %s", task_key, err)
 
     def views(self, task_key=None) -> list[TurnView]:
         """One pass over the tree (see cgroup2_views). A turn without v2 memory.current but with a v1

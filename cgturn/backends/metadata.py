@@ -28,6 +28,7 @@ and killed by any abandon — never as the turn it names. Records carry their fo
 (record_format.py): one written before versions existed reads as format 1, one newer than this code
 reads as CORRUPT with a `problem` naming the version.
 """
+# size: a little over the limit: the record store, the one verification of what it reads back, and the memory of its own last write beside the reads that memory spares.
 from __future__ import annotations
 
 import errno
@@ -47,6 +48,7 @@ log = logging.getLogger("cgturn")
 XATTR_KEY = "user.cgturn"
 GENERATION_KEY = "user.cgturn.generation"  # on the task directory: changes with every record write
 MAX_CACHED_TASKS = 1024  # tasks whose parsed records a store keeps between listings
+MAX_WRITTEN = 1024  # turns whose last written record a store keeps (MetadataStore._written)
 _FILE_STEM_MAX = 200  # longest turn name used as is in a fallback file name (see MetadataStore._file)
 NO_RECORD = "no record"
 # A turn directory gets its record right after its mkdir; one without a record for longer than this
@@ -68,6 +70,14 @@ class MetadataStore:
         # task directory -> (generation token, {(turn name, inode): record}); see the module doc.
         # Records in it are shared between listings: callers must not modify them.
         self._parsed: dict[str, tuple[bytes, dict[tuple[str, int], TurnRecord]]] = {}
+        # turn directory -> (the xattr value this store last wrote there, the fields it encodes): a
+        # read under the turn's lock that finds those very bytes (the owner's complete after its
+        # begin) builds the record from them instead of decoding and verifying the bytes again. Parsing is a pure
+        # function of the bytes and the path, so the copy is what decoding would give.
+        self._written: dict[str, tuple[bytes, dict]] = {}
+        # Turn directories whose record this store read from a fallback file: its next xattr write
+        # there removes the file, so a turn whose last write was this store's xattr has no file.
+        self._filed: set[str] = set()
 
     def _file(self, cg: Cgroup) -> str:
         task, turn = os.path.split(cg.path)
@@ -103,6 +113,9 @@ class MetadataStore:
                     return None, f"record unreadable: {os.strerror(err.errno or 0)}"
                 raw = None
             if raw is not None:
+                mine = self._written.get(cg.path)
+                if mine is not None and mine[0] == raw:
+                    return TurnRecord(**mine[1]), ""
                 return verified(*_decode(raw), path=cg.path)
         try:
             with open(self._file(cg), "rb") as f:
@@ -113,6 +126,7 @@ class MetadataStore:
             return None, f"record file unreadable: {err}"
         if not isinstance(data, dict) or data.pop("_inode", None) != _inode(cg):
             return None, NO_RECORD  # a file left behind by an earlier cgroup of the same name
+        self._note_file(cg.path)
         return verified(*_from_json(data), path=cg.path)
 
     def load_task(self, task_path: str, entries: list[tuple[str, int]]) -> dict[str, TurnRecord]:
@@ -175,16 +189,31 @@ class MetadataStore:
             log.warning("could not stamp %s after a record write (%s); listings re-read its records",
                         task.path, os.strerror(err.errno or 0))
 
-    def save(self, cg: Cgroup, record: TurnRecord) -> None:
-        """Store `record` on `cg`: as its xattr, else (refused for this write) as a state-dir file."""
-        raw = _ENCODER.encode({FORMAT_KEY: RECORD_FORMAT, **record.to_json()}).encode("utf-8", "surrogateescape")
+    def save(self, cg: Cgroup, record: TurnRecord, new: bool = False) -> None:
+        """Store `record` on `cg`: as its xattr, else (refused for this write) as a state-dir file.
+
+        Args:
+            new: the first record of a directory just made in a task directory that was there
+                before. The task is not stamped: a lister's cache is keyed by the turn directory's
+                inode too, so it holds nothing for this one. (A task without any stamp is never
+                cached, which is why a new task directory's first record stamps it.)
+        """
+        fields = record.to_json()
+        raw = _ENCODER.encode({FORMAT_KEY: RECORD_FORMAT, **fields}).encode("utf-8", "surrogateescape")
         if self.use_xattrs:
             try:
+                self._written.pop(cg.path, None)
                 cg.set_xattr(XATTR_KEY, raw)
-                self._bump_generation(cg)
-                # A file left by an earlier refused write is not removed here (a failing unlink on
-                # every state change): the xattr is read first, so it is never consulted, a later
-                # refused write replaces it, and `forget` removes it with the turn.
+                self._remember(cg.path, raw, record, fields)
+                if not new:
+                    self._bump_generation(cg)
+                if cg.path in self._filed:
+                    # Read from a file under this same lock: the xattr now says more, the file goes
+                    # (`forget` counts on it). A file this store never read is not looked for here
+                    # (a failing unlink on every state change): the xattr is read first, so it is
+                    # never consulted, and `forget` of another store removes it with the turn.
+                    self._filed.discard(cg.path)
+                    self._unlink_quietly(self._file(cg))
                 return
             except OSError as err:
                 if err.errno not in _XATTR_REFUSED:
@@ -206,25 +235,59 @@ class MetadataStore:
         with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:
             json.dump(data, f, ensure_ascii=False)
         os.replace(tmp, path)
+        self._note_file(cg.path)
+
+    def _note_file(self, path: str) -> None:
+        """The turn at `path` has a record file (read or written here): see `_filed`."""
+        if self.use_xattrs:  # without xattrs every record is a file, and `forget` always unlinks
+            if len(self._filed) >= MAX_WRITTEN:
+                self._filed.clear()
+                self._written.clear()  # what _filed forgets, forget must look for again
+            self._filed.add(path)
+
+    def _remember(self, path: str, raw: bytes, record: TurnRecord, fields: dict) -> None:
+        """Keep what was just written at `path`: `fields`, `record`'s stored fields (its own dict, not
+        the record, which the caller may go on changing). Only
+        a record that was made for this directory or read from it verified is kept: a CORRUPT one
+        (`problem` set) would verify no better when read back."""
+        if record.problem is not None or record.state == CORRUPT:
+            return
+        if len(self._written) >= MAX_WRITTEN and path not in self._written:
+            self._written.clear()  # turns that outlive many others are read the long way
+        self._written[path] = (raw, fields)
 
     def forget(self, cg: Cgroup) -> None:
         """Drop the fallback file of a removed turn (the xattr goes with the directory), and its task's
-        file directory when that was the last file in it."""
+        file directory when that was the last file in it.
+
+        A turn whose last record write was this store's xattr has no file to drop (a file read
+        before it went with that write), so nothing is unlinked. A file another process wrote
+        after that (its own xattr write refused) stays behind, as any that cannot be removed:
+        it names the removed directory's inode, so it is never read as a later turn's.
+        """
+        self._filed.discard(cg.path)
+        if self._written.pop(cg.path, None) is not None:
+            return
         path = self._file(cg)
+        if self._unlink_quietly(path):
+            try:
+                os.rmdir(os.path.dirname(path))
+            except OSError:
+                pass
+
+    @staticmethod
+    def _unlink_quietly(path: str) -> bool:
+        """unlink a record file; True if one was removed. A read-only or failing state directory must
+        not fail a kill that is done (the file names a directory that no longer exists: its inode is
+        in it, so it is never read as that turn's, and the next turn of that name writes over it)."""
         try:
             os.unlink(path)
+            return True
         except (FileNotFoundError, NotADirectoryError):
-            return  # no file: its task's directory, if any, holds other turns' files
+            return False  # no file: its task's directory, if any, holds other turns' files
         except OSError as err:
-            # A read-only or failing state directory must not fail a kill that is done: the file
-            # names a directory that no longer exists (its inode is in it), so it is never read as
-            # that turn's, and the next turn of that name writes over it.
             log.warning("cannot remove the record file %s of a removed turn: %s", path, err)
-            return
-        try:
-            os.rmdir(os.path.dirname(path))
-        except OSError:
-            pass
+            return False
 
 
 _TOKENS: tuple[int, bytes, "itertools.count[int]"] | None = None

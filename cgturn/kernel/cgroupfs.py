@@ -5,6 +5,7 @@ Errors carry the path and the data written. Each operation decides its errnos ex
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import select
@@ -132,8 +133,13 @@ class Cgroup:
         return [self.child(name) for name, _ in child_entries(self.path)]
 
     def procs_recursive(self) -> list[int]:
-        """Pids in this cgroup and every descendant (a payload may create sub-cgroups)."""
+        """Pids in this cgroup and every descendant (a payload may create sub-cgroups). A leaf is
+        told by one stat after the read: kernfs counts 2 + subdirectories as a directory's links
+        (kernfs_refresh_inode(), fs/kernfs/inode.c); any other count walks."""
         pids = self.procs()
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(self.path).st_nlink == 2:
+                return pids
         for cg in self.descendants():
             pids.extend(cg.procs())
         return pids

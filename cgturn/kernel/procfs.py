@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from ..errors import AccessDenied, KernelError, NoSuchProcess
-from . import parsers
+from . import ancestry, parsers
 
 PROC = "/proc"
 _GONE = frozenset({errno.ENOENT, errno.ESRCH})
@@ -295,18 +295,24 @@ def ancestors(pid: int, proc: ProcFS = HOST) -> set[int]:
     """`pid`'s ancestors up to PID 1 (inclusive), following ppid links.
 
     The walk reads no /proc file it can do without: the caller's own parent is getppid(2), and PID 1
-    ends the walk unread (its ppid is 0 in every pid namespace: it has no parent there). Most
-    services run with PID 1 or a supervisor near it as their parent, so an abandon's check reads one
-    or two stat files instead of one per level plus PID 1's.
+    ends the walk unread (its ppid is 0 in every pid namespace: it has no parent there). The
+    caller's own chain is walked once and kept, pinned by pidfds, until one of its processes exits
+    (kernel/ancestry.py): an abandon's reading of it is then getppid(2) and one poll(2).
     """
+    if proc is HOST and pid == os.getpid():
+        return set(ancestry.own_ancestors(_host_parent))
     out: set[int] = set()
-    ppid = os.getppid() if proc is HOST and pid == os.getpid() else _ppid_or_zero(pid, proc)
+    ppid = _ppid_or_zero(pid, proc)
     while ppid > 0 and ppid not in out:
         out.add(ppid)
         if ppid == 1:
             break
         ppid = _ppid_or_zero(ppid, proc)
     return out
+
+
+def _host_parent(pid: int) -> int:
+    return _ppid_or_zero(pid, HOST)
 
 
 def _ppid_or_zero(pid: int, proc: ProcFS) -> int:
