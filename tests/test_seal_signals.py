@@ -219,7 +219,8 @@ def test_a_terminal_s_ctrl_c_reaches_the_target_once(cgroup2_root, state_dir, tm
             os.killpg(run.pid, signal.SIGKILL)
             run.wait()
         run.stdout.close()
-    assert got(tmp_path) == ["SIGINT", "SIGTERM"]
+    # once each (the order is the kernel's and run's: a loaded host has shown SIGTERM's copy first)
+    assert sorted(got(tmp_path)) == ["SIGINT", "SIGTERM"]
 
 
 def test_bubblewrap_s_terminate_reaches_its_outer_process_only(cgroup2_manager, tmp_path, bubblewrap):

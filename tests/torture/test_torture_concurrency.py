@@ -109,6 +109,10 @@ hostile = st.one_of(
 @given(task=hostile, turn=hostile)
 def test_hostile_ids_on_real_cgroups(mgr, task, turn):
     root = mgr.backend.root.path
+    # the owner keeps an emptied task directory for its next turn in that task (docs/design.md): what an
+    # earlier example left is that, and what this one may leave is its own task's, empty
+    before = set(leftover_cgroups(root)) if os.path.isdir(root) else set()
+    assert all(not os.listdir(d) or not any(os.path.isdir(os.path.join(d, e)) for e in os.listdir(d)) for d in before)
     try:
         ids.validate(task, "task")
         ids.validate(turn, "turn")
@@ -119,7 +123,7 @@ def test_hostile_ids_on_real_cgroups(mgr, task, turn):
         with pytest.raises(ValueError):
             mgr.begin_turn(task, turn)
         assert mgr.snapshot_running_ids(task) == frozenset() and mgr.kill_started_since([], task) == 0
-        assert not os.path.isdir(root) or leftover_cgroups(root) == []
+        assert not os.path.isdir(root) or set(leftover_cgroups(root)) == before
         return
     t = mgr.begin_turn(task, turn)
     path = os.path.join(root, ids.encode(task), ids.encode(turn))
@@ -129,4 +133,4 @@ def test_hostile_ids_on_real_cgroups(mgr, task, turn):
     assert [(i.task, i.turn, i.pids) for i in mgr.turns(task)] == [(task, turn, [p.pid])]
     assert t.abandon("fuzz", grace=0).killed == [p.pid]
     assert p.wait(timeout=10) == -9
-    assert leftover_cgroups(root) == []
+    assert set(leftover_cgroups(root)) - before <= {os.path.dirname(path)}   # the turn's own directory is gone
