@@ -18,9 +18,10 @@
  * clone (plain, or checked under the directory's lock), read the child's report, release what the
  * call held.
  *
- * Why one file of ~860 lines: the child side (async-signal-safe, no Python) and the parent side (the
- * checked spawn's lock, record comparison and clone; the pools of stacks and directory fds kept between
- * spawns) share one struct and one calling convention, and the extension is one module to build.
+ * Why one file of ~1,350 lines: the child side (async-signal-safe, no Python; the sealed spawn's
+ * sandbox and its embedded init are part of it) and the parent side (the checked spawn's lock, record
+ * comparison and clone; the pools of stacks and directory fds kept between spawns) share one struct
+ * and one calling convention, and the extension is one module to build.
  *
  * Built for the stable ABI (Py_LIMITED_API, 3.11): one wheel serves every CPython from 3.11 on
  * (docs/install.md says why), so only functions of the limited API appear here, never the
@@ -306,8 +307,8 @@ static int seal_move(int fd, const char *to)
 }
 
 /* mkdir -p of `path` (a file at the end unless `dir`), for a mount point inside a new tmpfs; what
- * exists already (the read-only host's directories) is left as it is. (memmove here and below, not
- * memcpy: glibc's memcpy is a GLIBC_2.14 symbol, which would lift the wheel's manylinux tag.) */
+ * exists already (the read-only host's directories) is left as it is. (memmove, not memcpy:
+ * glibc's memcpy is a GLIBC_2.14 symbol, which would lift the wheel's manylinux tag.) */
 static void seal_mountpoint(const char *path, int dir)
 {
     char buf[4096];

@@ -6,12 +6,12 @@ process or a file outside what the turn was given (docs/security.md, issue 21).
 
 The sandbox is built once the process is in its turn, so it and everything it starts run inside the
 turn's cgroups from their first instruction. In a fixed order: new PID, mount, cgroup and IPC
-namespaces (a small init is PID 1, reaping; the target is PID 2, so SIGTERM from outside reaches it
-with its default action), the host's `/` read-only (sysfs, the cgroup mounts and every other mount
-below it too), a fresh `/proc` for the PID namespace (its `/proc/sys`, `/proc/sysrq-trigger`,
-`/proc/irq`, `/proc/bus` bound read-only), a minimal `/dev`, private `/tmp` and `/run`, the binds of
-_binds() in order; then the capability set KEPT_CAPS, no_new_privs and the syscall filter
-(seal_filter.py), then exec.
+namespaces (a small init is PID 1, reaping, and with the extension's sandbox forwarding signals to
+the target; the target is PID 2, so SIGTERM from outside reaches it with its default action), the
+host's `/` read-only (sysfs, the cgroup mounts and every other mount below it too), a fresh `/proc`
+for the PID namespace (its `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq`, `/proc/bus` bound
+read-only), a minimal `/dev`, private `/tmp` and `/run`, the binds of _binds() in order; then the
+capability set KEPT_CAPS, no_new_privs and the syscall filter (seal_filter.py), then exec.
 
 Why the extension's own sandbox first: bubblewrap's exec and its per-mount steps were most of what a
 seal cost (4-5x a plain turn; docs/security.md has the breakdown), and the child makes the whole tree
@@ -52,13 +52,18 @@ def _private(path: str) -> bool:
     return any(path == top or path.startswith(top + "/") for top in ("/tmp", "/run"))
 
 
+def _working_dir(cwd) -> str:
+    """The spawn's working directory as an absolute path (None: this process's)."""
+    return os.path.abspath(os.fsdecode(cwd)) if cwd is not None else os.getcwd()
+
+
 def _binds(writable: list[str], cwd) -> list[tuple[str, bool]]:
     """(path, writable) of every path a sealed spawn binds onto itself, in the order they are bound."""
     binds = []
     resolv = _resolv_conf_under_run()
     if resolv is not None:  # systemd-resolved's stub: DNS keeps working with a private /run
         binds.append((resolv, False))
-    base = os.path.abspath(os.fsdecode(cwd)) if cwd is not None else os.getcwd()
+    base = _working_dir(cwd)
     if _private(base) and not any(base == p or base.startswith(p + "/") for p in writable):
         # the working directory exists in the sandbox, read-only; bound first: binds go in order,
         # and a writable path below it must come on top
@@ -124,11 +129,10 @@ def native(writable, cwd, identity: Identity | None, netns_fd: int = -1) -> tupl
     paths = writable_paths(writable, cwd)
     binds = tuple((os.fsencode(path), (_BIND_WRITABLE if rw else 0) | (_BIND_DIR if os.path.isdir(path) else 0))
                   for path, rw in _binds(paths, cwd))
-    base = os.path.abspath(os.fsdecode(cwd)) if cwd is not None else os.getcwd()
     mask = 0
     for cap in _caps(identity):
         mask |= 1 << CAP_NUMBERS[cap]
-    spec = (binds, _PROC_HOST_STATE, os.fsencode(base), _program(), mask, sandbox.last_capability(), netns_fd)
+    spec = (binds, _PROC_HOST_STATE, os.fsencode(_working_dir(cwd)), _program(), mask, sandbox.last_capability(), netns_fd)
     prefix = [helper(SETPRIV), *identity.setpriv_args(), "--"] if identity is not None else []
     return spec, prefix
 
