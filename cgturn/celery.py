@@ -57,13 +57,27 @@ def _celery(name: str) -> Any:
     return importlib.import_module(name)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What every attempt of a task (by name) runs with: the worker-wide defaults overlaid with its own
+    `cgturn={...}` option, checked and made into `Limits` once, not per attempt."""
+
+    task: Any  # the cgturn task id: None (the Celery id), a string, or a callable of args and kwargs
+    limits: "cgturn.Limits"
+    seal: bool
+    network: str
+    keep_for: float | None
+    on_error: str
+    grace: float
+
+
 @dataclass
 class Attempt:
     """The turn of the task attempt a pool process is running now."""
 
     celery_id: str
     turn: "cgturn.Turn"
-    settings: dict[str, Any]
+    plan: Plan
     inside: bool = True
 
 
@@ -76,18 +90,21 @@ class Integration:
     role: str | None = None          # "main" (prefork main process), "pool" (a pool process), "solo"
     manager: "cgturn.TurnManager | None" = None
     attempt: Attempt | None = None
-    per_task: dict[str, dict[str, Any]] = field(default_factory=dict)
+    per_task: dict[str, Plan] = field(default_factory=dict)
 
     # --- settings ---------------------------------------------------------------------------------
 
-    def settings(self, task: Any) -> dict[str, Any]:
-        """The worker-wide defaults overlaid with the task's own `cgturn={...}` option (checked once)."""
-        merged = self.per_task.get(task.name)
-        if merged is None:
+    def plan(self, task: Any) -> Plan:
+        """The task's Plan, made (and its option checked) at the first attempt of that task name."""
+        plan = self.per_task.get(task.name)
+        if plan is None:
             merged = dict(self.defaults)
             merged.update(check_settings(getattr(task, OPTION, None) or {}, f"task {task.name}"))
-            self.per_task[task.name] = merged
-        return merged
+            plan = self.per_task[task.name] = Plan(
+                merged.get("task"), cgturn.Limits(**{k: merged[k] for k in LIMIT_KEYS if k in merged}),
+                bool(merged.get("seal", False)), merged.get("network", "host"), merged.get("keep_for"),
+                merged.get("on_error", "abandon"), float(merged.get("grace", 1.0)))
+        return plan
 
     def ensure_manager(self) -> "cgturn.TurnManager":
         if self.manager is None:
@@ -97,17 +114,15 @@ class Integration:
     # --- where tasks run (pool process, or the solo worker) ---------------------------------------
 
     def begin(self, task: Any, celery_id: str, args: Any, kwargs: Any) -> None:
-        settings = self.settings(task)
+        plan = self.plan(task)
         mgr = self.ensure_manager()
-        task_id = _task_id(settings.get("task"), celery_id, args, kwargs)
-        limits = cgturn.Limits(**{k: settings[k] for k in LIMIT_KEYS if k in settings})
+        task_id = _task_id(plan.task, celery_id, args, kwargs)
         retries = getattr(task.request, "retries", 0) or 0
         base = f"{celery_id}#{retries}"
         for n in range(100):  # a turn per attempt: a redelivered attempt whose turn still exists gets .1, .2 ...
             try:
-                turn = mgr.begin_turn(task_id, base if n == 0 else f"{base}.{n}", limits=limits,
-                                      seal=bool(settings.get("seal", False)),
-                                      network=settings.get("network", "host"))
+                turn = mgr.begin_turn(task_id, base if n == 0 else f"{base}.{n}", limits=plan.limits,
+                                      seal=plan.seal, network=plan.network)
                 break
             except cgturn.TurnExists:
                 continue
@@ -118,16 +133,16 @@ class Integration:
         except BaseException:
             turn.abandon(reasons.ERROR, grace=0)  # not left running, guarded, for a task outside it
             raise
-        self.attempt = Attempt(celery_id, turn, settings)
+        self.attempt = Attempt(celery_id, turn, plan)
 
     def end(self, state: str, retval: Any) -> None:
         attempt, self.attempt = self.attempt, None
         if attempt is None:
             return
         self.leave(attempt)
-        settings, turn = attempt.settings, attempt.turn
+        plan, turn = attempt.plan, attempt.turn
         if state == "SUCCESS":
-            turn.complete(keep_for=settings.get("keep_for"))
+            turn.complete(keep_for=plan.keep_for)
             return
         # SystemExit/KeyboardInterrupt leave the trace through task_postrun's `finally`, in flight.
         in_flight = sys.exc_info()[1]
@@ -135,10 +150,10 @@ class Integration:
             self.await_verdict(turn)
             return
         reason = _reason_for(in_flight if isinstance(in_flight, (SystemExit, KeyboardInterrupt)) else retval, turn)
-        if reason == reasons.ERROR and settings.get("on_error", "abandon") == "complete":
-            turn.complete(keep_for=settings.get("keep_for"))
+        if reason == reasons.ERROR and plan.on_error == "complete":
+            turn.complete(keep_for=plan.keep_for)
             return
-        turn.abandon(reason, grace=float(settings.get("grace", 1.0)))
+        turn.abandon(reason, grace=plan.grace)
 
     def leave(self, attempt: Attempt) -> None:
         if attempt.inside:

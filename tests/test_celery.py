@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import types
 
 import pytest
 
@@ -360,3 +361,55 @@ def test_unknown_or_invalid_settings_are_refused_at_setup():
         cc.setup(app, on_error="ignore")
     with pytest.raises(ValueError):
         cc.setup(app, memory_max=100, memory_high=200)
+
+
+class _Turn:
+    def enter(self):
+        pass
+
+    def complete(self, keep_for=None):
+        self.kept_for = keep_for
+        return True
+
+
+class _Manager:
+    """Stands for the TurnManager: what the integration asks of it, without a cgroup."""
+
+    def __init__(self):
+        self.begun = []
+
+    def begin_turn(self, task_id, turn_id, **options):
+        self.begun.append((task_id, turn_id, options))
+        return _Turn()
+
+    def leave_turn(self):
+        pass
+
+
+def test_a_task_s_settings_are_made_at_its_first_attempt_not_at_every_one(monkeypatch):
+    # A pool process runs thousands of attempts: each must only look its task's settings up, not
+    # merge, check and build its Limits again (the per-task cost docs/celery.md gives).
+    made = []
+    limits_class = cgturn.Limits
+
+    def counting_limits(**fields):
+        made.append(fields)
+        return limits_class(**fields)
+
+    monkeypatch.setattr(cgturn, "Limits", counting_limits)
+    app = types.SimpleNamespace()
+    mgr = _Manager()
+    it = cc.Integration(app, cc.check_settings({"pids_max": 50, "keep_for": 9.0}, "setup()"), role="pool", manager=mgr)
+    task = types.SimpleNamespace(name="t.limited", app=app, request=types.SimpleNamespace(retries=0),
+                                 cgturn={"memory_max": 64 << 20, "network": "none"})
+    for n in range(5):
+        it.begin(task, f"celery-{n}", (), {})
+        turn = it.attempt.turn
+        it.end("SUCCESS", True)
+        assert turn.kept_for == 9.0
+        if n == 0:
+            after_first = len(made)
+    assert len(made) == after_first
+    assert [b[:2] for b in mgr.begun] == [(f"celery-{n}", f"celery-{n}#0") for n in range(5)]
+    for _, _, options in mgr.begun:
+        assert options == {"limits": limits_class(memory_max=64 << 20, pids_max=50), "seal": False, "network": "none"}
