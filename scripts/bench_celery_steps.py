@@ -9,6 +9,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import types
@@ -129,8 +130,8 @@ def breakdown(turns: int, mount: str, sentinel: bool, gap: float = 0.0) -> dict:
             total = (t1 - t0) + (t3 - t2)
             step = dict(steps.last)
             time.sleep(gap)
-            t4 = time.perf_counter_ns()  # the same four calls, bare
-            turn = mgr.begin_turn(celery_id, "bare", limits=cgturn.Limits())
+            t4 = time.perf_counter_ns()  # the same four calls, bare, in a task of its own as the integration's
+            turn = mgr.begin_turn(celery_id + "-bare", f"{celery_id}#0", limits=cgturn.Limits())
             turn.enter()
             t5 = time.perf_counter_ns()
             subprocess.run(["/bin/true"], check=True)
@@ -168,3 +169,64 @@ def breakdown(turns: int, mount: str, sentinel: bool, gap: float = 0.0) -> dict:
             mgr.close()
             destroy_cgroup_tree(root)
             shutil.rmtree(state, ignore_errors=True)
+
+
+class _StubTurn:
+    state = "running"
+
+    def enter(self) -> None:
+        pass
+
+    def complete(self, keep_for=None) -> bool:
+        return True
+
+
+class _StubManager:
+    def begin_turn(self, task_id, turn_id, **_):
+        return _StubTurn()
+
+    def leave_turn(self) -> None:
+        pass
+
+
+def _integration_module(checkout: str | None):
+    """cgturn.celery of this tree, or that file of another checkout (`base`), loaded beside it."""
+    import importlib.util
+
+    if checkout is None:
+        import cgturn.celery as cc
+
+        return cc
+    spec = importlib.util.spec_from_file_location("cgturn_celery_base", os.path.join(checkout, "cgturn", "celery.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def own_code(base: str | None, tasks: int = 20000, rounds: int = 7) -> dict:
+    """The integration's own per-task code (`Integration.begin` + `end` of a task that returns) with
+    the four cgturn calls stubbed out, in µs per task (the median of `rounds`); with `base`, that
+    checkout's cgturn/celery.py beside this tree's, round by round alternated, and the ratio."""
+    sides = {"this tree": _integration_module(None)}
+    if base:
+        sides["base"] = _integration_module(base)
+    runs = {}
+    for name, cc in sides.items():
+        app = types.SimpleNamespace()
+        task = types.SimpleNamespace(name="bench.true", app=app, request=types.SimpleNamespace(retries=0))
+        it = cc.Integration(app, cc.check_settings({}, "bench"), role="pool", manager=_StubManager())
+        runs[name] = (it, task)
+    ids = [uuid.uuid4().hex for _ in range(tasks)]
+    per: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(rounds):
+        for name, (it, task) in runs.items():
+            t0 = time.perf_counter_ns()
+            for celery_id in ids:
+                it.begin(task, celery_id, (), {})
+                it.end("SUCCESS", True)
+            per[name].append((time.perf_counter_ns() - t0) / tasks / 1000)
+    out = {name: round(statistics.median(v), 3) for name, v in per.items()}
+    if base:
+        out["this tree / base"] = round(out["this tree"] / out["base"], 2)
+    return {"load": load(), "us_per_task": out}
