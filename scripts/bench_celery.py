@@ -28,11 +28,14 @@ task sent once the last one's pool process has finished its `task_postrun`:
    and the kernel's floor: this process moved into a cgroup and back by bare writes to
    cgroup.procs, after the same idleness;
 5. the integration's own code per task with its four cgturn calls stubbed out (µs), beside that of
-   `--base DIR`'s cgturn/celery.py, alternated round by round.
+   `--base DIR`'s cgturn/celery.py, alternated round by round;
+6. the kernel's floor against idleness: a bare move into a cgroup after 0-100 ms without one
+   (`--floor-gaps`), which says what the move into a turn costs a worker that sat idle.
 
 Run as root from a checkout with the celery extra, redis-server installed:
     python3 scripts/bench_celery.py [--rounds 5] [--tasks 100] [--idle 100] [--idle-tasks 20] [--revokes 10]
-                                    [--breakdown 200] [--gap 20] [--base DIR] [--json]
+                                    [--breakdown 200] [--gap 20] [--floor-gaps 0,1,2,5,10,20,50,100]
+                                    [--base DIR] [--json]
 Everything it starts (Redis, workers, their managed roots) it stops and removes, failures included.
 """
 from __future__ import annotations
@@ -53,7 +56,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from celery_fleet import Redis, fleet_env, start_worker, stop_worker, write_app  # noqa: E402
 from conftest import alive, need_cgroup2, wait_until  # noqa: E402
-from bench_celery_steps import FLOOR, Steps, breakdown, load, ms, own_code, spread  # noqa: E402
+from bench_celery_steps import FLOOR, Steps, breakdown, floor_after_idle, load, ms, own_code, spread  # noqa: E402
 
 TARGET_MS = 1.0  # issue 25: added cost per task inside the worker, for a task that spawns /bin/true
 
@@ -283,6 +286,9 @@ def main() -> int:
     parser.add_argument("--breakdown", type=int, default=200, help="turns per breakdown (0: none)")
     parser.add_argument("--gap", type=float, default=20.0,
                         help="ms of idleness before each turn in the last breakdown (the others: none)")
+    parser.add_argument("--floor-gaps", default="0,1,2,5,10,20,50,100",
+                        help="ms of idleness before the kernel's floor moves (comma-separated; empty: none)")
+    parser.add_argument("--floor-moves", type=int, default=30, help="moves per gap")
     parser.add_argument("--breakdown-only", action="store_true", help="skip the workers and Redis")
     parser.add_argument("--base", help="another checkout (e.g. main's): a third worker imports its cgturn, and its "
                                        "cgturn/celery.py's own code is timed beside this tree's")
@@ -293,6 +299,9 @@ def main() -> int:
     if not args.breakdown_only:
         report["fleet"] = fleet(args, mount)
     report["own_code"] = own_code(args.base)
+    if args.floor_gaps:
+        report["floor_after_idle"] = floor_after_idle(mount, [float(g) for g in args.floor_gaps.split(",")],
+                                                      args.floor_moves)
     if args.breakdown:
         report["breakdown"] = [breakdown(args.breakdown, mount, sentinel, gap)
                                for sentinel, gap in ((True, 0.0), (False, 0.0), (True, args.gap / 1000))]
@@ -310,6 +319,12 @@ def main() -> int:
             print(f"{key:22} {f[key]}")
     print(f"the integration's own code per task, its cgturn calls stubbed out (µs, load {report['own_code']['load']}): "
           f"{report['own_code']['us_per_task']}")
+    if "floor_after_idle" in report:
+        f = report["floor_after_idle"]
+        print(f"the kernel's floor: a bare move into a cgroup after N ms without one, {f['moves']} moves each, load "
+              f"{f['load'][0]}-{f['load'][1]} (ms: median p10 p90)")
+        for gap, figure in f["move_in_ms"].items():
+            print(f"  after {gap:>5g} ms  {figure}")
     for b in report.get("breakdown", []):
         print(f"breakdown, sentinel {'on' if b['sentinel'] else 'off'}, {b['gap_ms']:g} ms idle before each, "
               f"{b['turns']} turns, load "

@@ -230,3 +230,28 @@ def own_code(base: str | None, tasks: int = 20000, rounds: int = 7) -> dict:
     if base:
         out["this tree / base"] = round(out["this tree"] / out["base"], 2)
     return {"load": load(), "us_per_task": out}
+
+
+def floor_after_idle(mount: str, gaps_ms: list[float], moves: int) -> dict:
+    """The kernel's floor against idleness: this process moved into a cgroup of its own by a bare write
+    to cgroup.procs after `gap` ms without a move of its own (and back at once), `moves` times per gap,
+    the gaps taken in turn so that all see the same load. Other processes' moves on the host in the
+    meantime make some of them cheap: the spread says how often."""
+    root = os.path.join(mount, f"cgturn-bench-celery-{uuid.uuid4().hex[:8]}")
+    floor = os.path.join(root, "floor", "cgroup.procs")
+    home = os.path.join(mount, own_v2_cgroup().lstrip("/"), "cgroup.procs")
+    pid = str(os.getpid()).encode()
+    per: dict[float, list[float]] = {gap: [] for gap in gaps_ms}
+    load_before = load()
+    try:
+        os.makedirs(os.path.dirname(floor))
+        for _ in range(moves):
+            for gap in gaps_ms:
+                time.sleep(gap / 1000)  # pacing, not a wait: the idle spell before the move
+                t0 = time.perf_counter_ns()
+                move(floor, pid)
+                per[gap].append((time.perf_counter_ns() - t0) / 1e9)
+                move(home, pid)
+        return {"load": [load_before, load()], "moves": moves, "move_in_ms": {gap: spread(v) for gap, v in per.items()}}
+    finally:
+        destroy_cgroup_tree(root)
