@@ -211,7 +211,9 @@ def main() -> int:
           f"runexec in {place}, load {os.getloadavg()[0]:.1f}, medians of {args.rounds} rounds, "
           f"total {time.monotonic() - started:.0f} s\n")
     print("Each cell: the median, and the range over the rounds. The last two columns: the workload's own "
-          "getrusage (user + system time; peak RSS) under each tool.\n")
+          "getrusage (user + system time; peak RSS) under each tool. 'Beyond the workload's own': each run's "
+          "figure minus the workload's own getrusage in that run (what the workload did after its last look, "
+          "its exit, and anything else the tool counts).\n")
     print("| workload | figure | cgturn --report | runexec | cgturn / runexec | own, under cgturn | own, under runexec |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for workload in WORKLOADS:
@@ -225,6 +227,11 @@ def main() -> int:
             owns = [_spread([r["own"][own_key] for r in runs if r["own"]], own_fmt) for runs in (ours, theirs)]
             print(f"| {workload} | {label} | {_spread(a, fmt)} | {_spread(b, fmt)} | "
                   f"{statistics.median(a) / statistics.median(b):.3f} | {owns[0]} | {owns[1]} |")
+        if workload != "cpu-limit":
+            # Paired within each run, so it does not move with how long the workload itself took.
+            beyond = [_spread([r["cpu"] - r["own"]["cpu"] for r in runs if r["own"]], lambda v: f"{v:.3f}")
+                      for runs in (ours, theirs)]
+            print(f"| {workload} | CPU seconds beyond the workload's own | {beyond[0]} | {beyond[1]} | | | |")
         if workload == "cpu-limit":
             print(f"| {workload} | how it ended | {', '.join(sorted({r['ended'] for r in ours}))} | "
                   f"{', '.join(sorted({r['ended'] for r in theirs}))} | | | |")
