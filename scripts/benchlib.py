@@ -116,15 +116,16 @@ def churn(mgr: TurnManager, seconds: float) -> float:
 
 # --- the bench root ---------------------------------------------------------------------------------
 
-def bench_root() -> str | None:
-    """A fresh managed-root path `<own cgroup2>/cgturn-bench-<random>` (not created), with SIGTERM made
-    a KeyboardInterrupt so the caller's cleanup runs; None (reported) without root or cgroup2."""
+def bench_root(parent: str | None = None) -> str | None:
+    """A fresh managed-root path `<parent>/cgturn-bench-<random>` (not created; parent: this process's
+    own cgroup2 unless given), with SIGTERM made a KeyboardInterrupt so the caller's cleanup runs; None
+    (reported) without root or cgroup2."""
     host = discover_host()
     if host.cgroup2_mount is None or os.geteuid() != 0:
         print("needs root and a cgroup2 mount", file=sys.stderr)
         return None
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    return os.path.join(host.own_cgroup or host.cgroup2_mount, f"cgturn-bench-{uuid.uuid4().hex[:8]}")
+    return os.path.join(parent or host.own_cgroup or host.cgroup2_mount, f"cgturn-bench-{uuid.uuid4().hex[:8]}")
 
 
 def destroy(root: str, *managers: TurnManager) -> None:

@@ -54,6 +54,15 @@ if [ -f "$job/bench" ]; then
     python3 scripts/testhost/bench_systemd_run.py 2>&1 | tee "$out/bench.txt"
     echo "cgturn-testhost: cost: bench $(( $(date +%s) - started )) s"
 fi
+if [ -f "$job/bench-report" ]; then
+    # run.py --bench-report: benchexec from the share; runexec gets a delegated systemd scope, cgturn's
+    # managed root sits below the cgroup2 root (this service's own cgroup delegates no controller).
+    echo "cgturn-testhost: scripts/bench_report.py"
+    started=$(date +%s)
+    PYTHONPATH="/share:$job/benchexec" python3 scripts/bench_report.py --runexec "$job/benchexec/runexec" \
+        --parent /sys/fs/cgroup --rounds 5 2>&1 | tee "$out/bench-report.txt"
+    echo "cgturn-testhost: cost: bench-report $(( $(date +%s) - started )) s"
+fi
 journalctl -b --no-pager -o short-monotonic > "$out/journal.txt" 2>&1
 sync
 echo "cgturn-testhost: job finished, pytest status $status"

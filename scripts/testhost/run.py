@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
+import zipfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import image  # noqa: E402  (this directory's module, not a package)
@@ -119,6 +120,24 @@ def make_share(pytest_args: list[str], bench: bool, extension: bool = True) -> s
     if bench:
         open(os.path.join(job, "bench"), "w").close()
     return share
+
+
+def add_bench_report(share: str, benchexec: str) -> None:
+    """Ask the guest to run scripts/bench_report.py (cgturn run --report against benchexec's runexec),
+    with benchexec from `benchexec`, a wheel (`pip download --no-deps benchexec==3.35`) or a directory
+    holding the `benchexec` package: the guest has no registry to install it from. Its runexec needs no
+    other package (PyYAML is benchexec's, not runexec's); the console script pip would make is written
+    beside it."""
+    lib = os.path.join(share, ".testhost", "benchexec")
+    if os.path.isdir(benchexec):
+        shutil.copytree(os.path.join(benchexec, "benchexec"), os.path.join(lib, "benchexec"))
+    else:
+        with zipfile.ZipFile(benchexec) as wheel:
+            wheel.extractall(lib)
+    with open(os.path.join(lib, "runexec"), "w") as f:
+        f.write("#!/usr/bin/python3\nfrom benchexec.runexecutor import main\nmain()\n")
+    os.chmod(os.path.join(lib, "runexec"), 0o755)
+    open(os.path.join(share, ".testhost", "bench-report"), "w").close()
 
 
 def qemu_argv(img: image.Image, share: str, accel: str, memory_mb: int, cpus: int) -> list[str]:
@@ -230,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", help="directory for pytest.log, junit.xml, journal.txt, console.log "
                    "(default: a new directory under $TMPDIR)")
     p.add_argument("--bench", action="store_true", help="also run scripts/testhost/bench_systemd_run.py")
+    p.add_argument("--bench-report", metavar="WHEEL", help="also run scripts/bench_report.py (cgturn run "
+                   "--report against benchexec's runexec) with benchexec from WHEEL, a wheel file or a directory "
+                   "holding the benchexec package (a measurement: CI does not run it)")
     p.add_argument("--no-tests", action="store_true", help="run no pytest (e.g. only --bench)")
     p.add_argument("--no-extension", action="store_true",
                    help="leave the built C extension out of the guest's checkout (as git sees it)")
@@ -252,10 +274,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     pytest_args = [] if args.no_tests else (args.pytest_args or DEFAULT_TESTS)
-    if args.no_tests and not args.bench:
-        log("nothing to run (--no-tests without --bench)")
+    if args.no_tests and not (args.bench or args.bench_report):
+        log("nothing to run (--no-tests without --bench or --bench-report)")
+        return 2
+    if args.bench_report and not os.path.exists(args.bench_report):
+        log(f"--bench-report: no such wheel or directory: {args.bench_report}")
         return 2
     share = make_share(pytest_args, args.bench, extension=not args.no_extension)
+    if args.bench_report:
+        add_bench_report(share, args.bench_report)
     results = args.results or tempfile.mkdtemp(prefix="cgturn-testhost-results-")
     os.makedirs(results, exist_ok=True)
     try:
