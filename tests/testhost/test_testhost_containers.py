@@ -248,10 +248,10 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402 - the scenarios above run in containers that need no pytest import
 
-from hostlib import (TEST_USER, check_systemd_host, last_json, stop_user_manager, systemd_host,  # noqa: E402,F401
+from hostlib import (GUEST_STATE, TEST_USER, check_systemd_host, last_json, stop_user_manager, systemd_host,  # noqa: E402,F401
                      user_argv)
 
-pytestmark = pytest.mark.testhost
+pytestmark = [pytest.mark.testhost, GUEST_STATE]
 SCRIPT = "/share/tests/testhost/test_testhost_containers.py"
 ENV = ["-e", "PYTHONPATH=/share", "-e", "PYTHONDONTWRITEBYTECODE=1"]
 # --rootfs with --read-only: the rootfs baked into the test host's image stays pristine (podman puts
