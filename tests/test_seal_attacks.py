@@ -162,9 +162,11 @@ def finish(turn, proc) -> list[int]:
 
 
 def sandboxed_target(turn, program: str = PY, timeout: float = 10.0) -> int:
-    """The host pid of the target of a sealed spawn, once it runs `program` (the sandbox's init, a
-    member of the turn too, is PID 1 of the namespace: bubblewrap, or a copy of the caller, whose
-    cmdline is the caller's)."""
+    """The host pid of the target of a sealed spawn, once it runs `program` inside the sandbox's PID
+    namespace. Not the sandbox's init, a member of the turn too and PID 1 there (bubblewrap, or a copy
+    of the caller, whose cmdline is the caller's); nor, before that namespace exists, the child cloned
+    into the turn or the shim, which also carry the caller's cmdline and are in the host's namespaces
+    until they exec bubblewrap (a window a slow machine holds open)."""
     found: list[int] = []
 
     def look() -> bool:
@@ -172,10 +174,10 @@ def sandboxed_target(turn, program: str = PY, timeout: float = 10.0) -> int:
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     argv0 = f.read().split(b"\0")[0].decode()
-                init = ns_pids(pid)[-1] == 1
+                nspids = ns_pids(pid)
             except OSError:
                 continue
-            if argv0 == program and not init:
+            if argv0 == program and len(nspids) > 1 and nspids[-1] != 1:
                 found.append(pid)
                 return True
         return False

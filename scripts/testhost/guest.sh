@@ -35,17 +35,25 @@ printf '/share\n' > "$site/cgturn-share.pth"
 
 export CGTURN_TESTHOST=1 HOME=/root
 cd /share
+# How much of pytest's time the guest's CPUs had nothing to run (docs/testhost.md, "Two workers"):
+# what more parallelism in the guest could still use. cpu_ticks: clock ticks of all CPUs so far,
+# "total idle" (idle + iowait).
+cpu_ticks() { awk '/^cpu /{print $2+$3+$4+$5+$6+$7+$8+$9, $5+$6}' /proc/stat; }
+idle_since() {  # idle_since TOTAL IDLE: percent of the CPU time since then that was idle
+    cpu_ticks | awk -v t="$1" -v i="$2" '{d = $1 - t; printf "%d", (d > 0 ? 100 * ($2 - i) / d : 0)}'
+}
 status=0
 if [ -f "$job/pytest-args.sh" ]; then
     # pytest-args.sh sets the positional parameters ("set -- ..."), quoted by the host.
     . "$job/pytest-args.sh"
     echo "cgturn-testhost: python3 -m pytest $*"
     started=$(date +%s)
+    ticks=$(cpu_ticks)
     # POSIX sh has no pipefail: the status goes to a file, where tee cannot hide it.
     { python3 -m pytest --junitxml="$out/junit.xml" "$@"; echo $? > "$out/.pytest-status"; } 2>&1 \
         | tee "$out/pytest.log"
     status=$(cat "$out/.pytest-status" 2>/dev/null || echo 1)
-    echo "cgturn-testhost: cost: pytest $(( $(date +%s) - started )) s"
+    echo "cgturn-testhost: cost: pytest $(( $(date +%s) - started )) s (guest CPUs idle $(idle_since $ticks) %)"
 fi
 echo "$status" > "$out/status"
 if [ -f "$job/bench" ]; then

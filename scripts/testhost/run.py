@@ -2,7 +2,8 @@
 """Run tests from this checkout on the test host: Debian 13 with systemd 257 as PID 1, pure cgroup v2.
 
     python3 scripts/testhost/run.py [options] [-- pytest args]
-    (default pytest args: tests/testhost tests/test_aio_spawn.py tests/test_seal_attacks.py)
+    (default pytest args: -v -n CPUS --dist loadgroup tests/testhost tests/test_aio_spawn.py
+    tests/test_seal_attacks.py)
 
 Builds the image when its recipe changed (scripts/testhost/image.py; cached under
 /var/cache/cgturn-testhost), copies the checkout (with the built C extension, which git ignores) to a
@@ -40,7 +41,18 @@ EXTENSION_SOURCE = "cgturn/_spawn.c"
 # The testhost tests, the asyncio spawn's on the guest's newer Python (3.13): it builds on asyncio's
 # subprocess transport, whose internals change between Python versions; and the seal's red team on
 # every chain (the extension's sandbox, clone3 then bubblewrap, the shim) against v2 limits.
-DEFAULT_TESTS = ["-v", "tests/testhost", "tests/test_aio_spawn.py", "tests/test_seal_attacks.py"]
+DEFAULT_TESTS = ["tests/testhost", "tests/test_aio_spawn.py", "tests/test_seal_attacks.py"]
+
+
+def default_pytest_args(cpus: int) -> list[str]:
+    """The default run: DEFAULT_TESTS, verbose, in one pytest-xdist worker per guest vCPU.
+
+    Under TCG one worker left the second vCPU idle for much of the run (interpreter starts, waits on
+    systemd and podman). `--dist loadgroup` keeps each `xdist_group` on one worker: the tests that
+    share guest-wide state (tests/testhost/hostlib.py) run one after another, the rest on either.
+    """
+    workers = ["-n", str(cpus), "--dist", "loadgroup"] if cpus > 1 else []
+    return ["-v", *workers, *DEFAULT_TESTS]
 # A working KVM guest reaches the job in seconds; a broken one (e.g. a paravirtual /dev/kvm on which
 # QEMU aborts on an MSR or the guest hits emulation failures) must not cost more than this.
 KVM_BOOT_LIMIT = 25.0
@@ -259,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rebuild", action="store_true", help="build the image even if a cached one exists")
     p.add_argument("--memory", type=int, default=2048, help="guest memory, MiB")
     p.add_argument("--cpus", type=int, default=min(2, os.cpu_count() or 1))
-    p.add_argument("pytest_args", nargs="*", help="after --: pytest arguments (default: tests/testhost "
-                   "tests/test_aio_spawn.py tests/test_seal_attacks.py)")
+    p.add_argument("pytest_args", nargs="*", help="after --: pytest arguments (default: -v -n CPUS --dist "
+                   "loadgroup tests/testhost tests/test_aio_spawn.py tests/test_seal_attacks.py)")
     args = p.parse_args(argv)
 
     t0 = time.monotonic()
@@ -273,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.build_only:
         return 0
 
-    pytest_args = [] if args.no_tests else (args.pytest_args or DEFAULT_TESTS)
+    pytest_args = [] if args.no_tests else (args.pytest_args or default_pytest_args(args.cpus))
     if args.no_tests and not (args.bench or args.bench_report):
         log("nothing to run (--no-tests without --bench or --bench-report)")
         return 2

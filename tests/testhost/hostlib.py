@@ -23,6 +23,24 @@ SHARE = os.environ.get("PYTHONPATH", "").split(":")[0] or os.getcwd()
 MOUNT = "/sys/fs/cgroup"
 TEST_USER = "cgtest"
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The guest runs these tests in two pytest-xdist workers, one per vCPU (`-n 2 --dist loadgroup`,
+# scripts/testhost/run.py): under software emulation most of a test's time is interpreter starts and
+# waits, and one worker left the second vCPU idle much of the time. Tests that share guest-wide state
+# carry one `xdist_group` and run one after another on one worker; the rest are spread over both.
+#
+# GUEST_STATE: the test user's login state and the guest's swap.
+# - cgtest's systemd manager and linger: test_testhost_delegation.py needs the user logged out and not
+#   lingering (its no-delegation doctor would otherwise find the user manager and plan a scope), the
+#   user file logs the user in and out and lingers it, the rootless container lingers it, and each
+#   stops the user manager at its end.
+# - swap: test_testhost_limits.py's swap test turns on a swap file for the whole guest. Beside it the
+#   OOM kills that the limits, seal and container tests wait for would page out instead (50 MiB + swap
+#   holds a 200 MiB allocation), and the containers' 512 MiB allocations would fill the swap that test
+#   needs.
+GUEST_STATE = pytest.mark.xdist_group("guest-state")
+# UNIT: test_testhost_unit.py installs the shipped unit under fixed names and reloads systemd in a
+# module fixture, which must run once, on one worker.
+UNIT = pytest.mark.xdist_group("unit")
 
 @pytest.fixture
 def systemd_host():
@@ -166,6 +184,6 @@ def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between open and read
         return False
     return state not in ("Z", "X")

@@ -82,7 +82,7 @@ def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between open and read (ESRCH)
         return False
 
 
@@ -248,10 +248,10 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402 - the scenarios above run in containers that need no pytest import
 
-from hostlib import (TEST_USER, check_systemd_host, last_json, stop_user_manager, systemd_host,  # noqa: E402,F401
+from hostlib import (GUEST_STATE, TEST_USER, check_systemd_host, last_json, stop_user_manager, systemd_host,  # noqa: E402,F401
                      user_argv)
 
-pytestmark = pytest.mark.testhost
+pytestmark = [pytest.mark.testhost, GUEST_STATE]
 SCRIPT = "/share/tests/testhost/test_testhost_containers.py"
 ENV = ["-e", "PYTHONPATH=/share", "-e", "PYTHONDONTWRITEBYTECODE=1"]
 # --rootfs with --read-only: the rootfs baked into the test host's image stays pristine (podman puts

@@ -18,10 +18,10 @@ import sys
 
 import pytest
 
-from hostlib import (MOUNT, TEST_USER, last_json, pid_alive, start_in_unit, stop_user_manager, systemctl,  # noqa: F401
+from hostlib import (GUEST_STATE, MOUNT, TEST_USER, last_json, pid_alive, start_in_unit, stop_user_manager, systemctl,  # noqa: F401
                      systemd_host, unit_name, wait_value)
 
-pytestmark = [pytest.mark.testhost, pytest.mark.usefixtures("systemd_host")]
+pytestmark = [pytest.mark.testhost, pytest.mark.usefixtures("systemd_host"), GUEST_STATE]
 HERE = os.path.dirname(os.path.abspath(__file__))
 DELEGATED = ("Delegate=yes", "DelegateSubgroup=supervisor")
 

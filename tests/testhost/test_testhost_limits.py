@@ -19,9 +19,9 @@ import pytest
 
 from cgturn import Limits, LimitsUnavailable, TurnManager
 from conftest import wait_until
-from hostlib import MOUNT, SHARE, run_in_unit, systemctl, systemd_host, unit_cgroup, unit_name  # noqa: F401
+from hostlib import GUEST_STATE, MOUNT, SHARE, run_in_unit, systemctl, systemd_host, unit_cgroup, unit_name  # noqa: F401
 
-pytestmark = [pytest.mark.testhost, pytest.mark.usefixtures("systemd_host")]
+pytestmark = [pytest.mark.testhost, pytest.mark.usefixtures("systemd_host"), GUEST_STATE]
 MiB = 1024 * 1024
 DELEGATED = ("Delegate=yes", "DelegateSubgroup=supervisor")
 ENTER_LEAF = os.path.join(SHARE, "contrib", "enter-leaf")

@@ -21,11 +21,11 @@ import pytest
 
 from cgturn import Limits, testing
 from conftest import wait_until
-from hostlib import systemd_host  # noqa: F401 - the fixture
+from hostlib import GUEST_STATE, systemd_host  # noqa: F401 - the fixture
 from test_seal_attacks import ATTACK
 from test_testhost_limits import FORKER, MiB, read, turn_dir, unit_manager  # noqa: F401 - the fixture
 
-pytestmark = [pytest.mark.testhost, pytest.mark.usefixtures("systemd_host")]
+pytestmark = [pytest.mark.testhost, pytest.mark.usefixtures("systemd_host"), GUEST_STATE]
 
 # Opens each path for writing (no O_TRUNC, nothing written: the open is the check) and prints the errno
 # names as JSON. Where the host's cgroup2 mount is writable (an unsealed root turn) the turn's own

@@ -24,9 +24,9 @@ import subprocess
 
 import pytest
 
-from hostlib import MOUNT, SHARE, TEST_USER, pid_alive, systemctl, systemd_host, wait_value  # noqa: F401
+from hostlib import MOUNT, SHARE, TEST_USER, UNIT, pid_alive, systemctl, systemd_host, wait_value  # noqa: F401
 
-pytestmark = [pytest.mark.testhost, pytest.mark.usefixtures("systemd_host")]
+pytestmark = [pytest.mark.testhost, pytest.mark.usefixtures("systemd_host"), UNIT]
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONTRIB = os.path.join(SHARE, "contrib")
 HELPERS = ["/usr/local/lib/cgturn/enter-leaf", "/usr/local/bin/my-gateway"]

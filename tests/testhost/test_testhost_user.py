@@ -20,10 +20,10 @@ import sys
 
 import pytest
 
-from hostlib import (MOUNT, SHARE, TEST_USER, last_json, pid_alive, run_in_unit, start_in_unit, stop_user_manager,  # noqa: F401
+from hostlib import (GUEST_STATE, MOUNT, SHARE, TEST_USER, last_json, pid_alive, run_in_unit, start_in_unit, stop_user_manager,  # noqa: F401
                      systemctl, systemd_host, unit_name, user_manager_running, wait_value)
 
-pytestmark = [pytest.mark.testhost, pytest.mark.usefixtures("systemd_host")]
+pytestmark = [pytest.mark.testhost, pytest.mark.usefixtures("systemd_host"), GUEST_STATE]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
