@@ -10,6 +10,7 @@ import inspect
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -496,7 +497,18 @@ def test_a_forked_child_does_not_keep_a_spawn_lock(cgroup2_manager, path):
         while not stop.is_set() and len(children) < 200:
             pid = os.fork()
             if pid == 0:
-                time.sleep(30)  # a long-lived Python child, as a worker pool makes
+                # A long-lived Python child, as a worker pool makes. It closes the pipes it inherited:
+                # a spawn's error pipe copied into it would hold that spawn until the child's exit
+                # (CPython's fork-in-a-thread hazard, not the lock's), and by the abandon every child
+                # would be gone. Every other fd stays open, a spawn lock's copy too unless cgturn
+                # closed it.
+                for fd in range(3, 1024):
+                    try:
+                        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                            os.close(fd)
+                    except OSError:
+                        pass
+                time.sleep(30)
                 os._exit(0)
             children.append(pid)
 
@@ -507,6 +519,8 @@ def test_a_forked_child_does_not_keep_a_spawn_lock(cgroup2_manager, path):
             turn.spawn(["true"]).wait(timeout=10)
         stop.set()
         t.join(timeout=10)
+        assert any(os.waitpid(pid, os.WNOHANG) == (0, 0) for pid in children), \
+            "no forked child is alive at the abandon: the test would prove nothing"
         result = [None]
         abandoner = threading.Thread(target=lambda: result.__setitem__(0, turn.abandon("done", grace=0.0)))
         abandoner.start()
@@ -514,9 +528,12 @@ def test_a_forked_child_does_not_keep_a_spawn_lock(cgroup2_manager, path):
         assert not abandoner.is_alive(), "an abandon waited for a forked child's copy of a spawn lock"
     finally:
         stop.set()
-        for pid in children:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+        for pid in children:  # this test's own children
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass  # reaped by the liveness check above
 
 
 if __name__ == "__main__":
