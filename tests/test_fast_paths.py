@@ -122,6 +122,64 @@ def test_cgturn_run_imports_neither_asyncio_nor_the_stdlibs_heavy_helpers(cgroup
     assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
 
 
+CONSOLE = textwrap.dedent("""
+    import atexit, sys
+    from cgturn import cli
+
+    class Torn:
+        def __del__(self):  # runs only when the interpreter tears its modules down
+            sys.stderr.write("torn down\\n")
+
+    kept = Torn()
+    atexit.register(lambda: sys.stderr.write("atexit ran\\n"))
+    cli.console()
+""")
+
+
+def test_the_console_script_exits_without_tearing_the_interpreter_down(cgroup2_root, state_dir):
+    """`cgturn` (and `python -m cgturn`) skip the interpreter's teardown, keeping what an exit owes:
+    the atexit functions, stdout flushed (run's `--report -` line), the command's exit status."""
+    out = subprocess.run([PY, "-c", CONSOLE, "--root", cgroup2_root, "--state-dir", state_dir, "run", "--report", "-",
+                          "--", "sh", "-c", "echo out; exit 3"], capture_output=True, text=True, env=cgturn_env(),
+                         timeout=60)
+    assert out.returncode == 3, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "out" and json.loads(lines[-1])["exit_status"] == 3, out.stdout
+    assert "atexit ran" in out.stderr and "torn down" not in out.stderr, out.stderr
+
+
+def test_the_console_exits_normally_while_a_thread_must_be_waited_for_or_a_flush_fails(monkeypatch):
+    """A thread that is not a daemon is waited for, and a failed flush is reported (status 120), by
+    the interpreter's own exit: console() takes it then."""
+    from cgturn import cli
+
+    def no_fast_exit(code):
+        raise AssertionError(f"os._exit({code}) with a thread to wait for or a failed flush")
+
+    monkeypatch.setattr(cli, "main", lambda: 7)
+    monkeypatch.setattr(cli.os, "_exit", no_fast_exit)
+    monkeypatch.setattr("atexit._run_exitfuncs", lambda: None)  # pytest's own must not run here
+    release = threading.Event()
+    waiting = threading.Thread(target=release.wait)
+    waiting.start()
+    try:
+        with pytest.raises(SystemExit) as exited:
+            cli.console()
+        assert exited.value.code == 7
+    finally:
+        release.set()
+        waiting.join()
+
+    class Broken:
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli.sys, "stdout", Broken())
+    with pytest.raises(SystemExit) as exited:
+        cli.console()
+    assert exited.value.code == 7
+
+
 def test_a_program_is_found_on_path_as_shutil_which_finds_it(tmp_path):
     import shutil
 
