@@ -29,7 +29,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import clocks, ids, leases, probes, reasons, recovery
+from . import clocks, ids, leases, processes, reasons, recovery
 from .logfields import turn_fields
 from .model import ABANDONED, COMPLETED
 from .sentinel_protocol import MAX_MESSAGE, parse_message
@@ -72,7 +72,7 @@ class Sentinel:
         self.leases: dict[tuple[str, str], float] = {}  # turn key -> monotonic time to look at its lease
         self.ended: set[tuple[str, str]] = set()  # turns the owner ended: removed here once emptied
         self.watches: dict[tuple[str, str], Watch] = {}  # turns with a CPU-time limit or an OOM watch
-        self.owner_pidfd = probes.open_owner(owner_pid, owner_start)
+        self.owner_pidfd = processes.open_owner(owner_pid, owner_start)
         self.owner_dead = self.owner_pidfd is None
         self.orphaned = False  # the owner is dead and its running turns were abandoned
         self.kills: list[threading.Thread] = []

@@ -13,7 +13,6 @@ or group is a ValueError, a missing helper an IsolationUnavailable.
 from __future__ import annotations
 
 import functools
-import shutil
 
 from ..errors import IsolationUnavailable
 from ..identity import Identity
@@ -26,6 +25,8 @@ NSENTER = "nsenter"
 @functools.lru_cache(maxsize=None)
 def helper(name: str, package: str = "util-linux") -> str:
     """The absolute path of a helper program; IsolationUnavailable when it is not installed."""
+    import shutil  # here, not at every `cgturn` start: it imports the compressors (bz2, lzma, zlib)
+
     found = shutil.which(name, path="/usr/bin:/bin:/usr/sbin:/sbin")
     if found is None:
         raise IsolationUnavailable(f"{name} ({package}) is not installed: cannot isolate the spawn")
