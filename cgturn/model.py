@@ -7,15 +7,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence, Union
 
-from .ports import Port as Port  # re-exported: `cgturn.model.Port` is where it was first defined
-
 if TYPE_CHECKING:
     from .limits import Limits, Usage
+    from .ports import Port as Port  # re-exported by __getattr__ below
 
 RUNNING = "running"
 COMPLETED = "completed"
 ABANDONED = "abandoned"
 STATES = (RUNNING, COMPLETED, ABANDONED)
+
 # Not a state a turn moves through: what a turn directory reads as when its record is missing,
 # unreadable, or disagrees with the directory it was read from. Such a turn is killed by any abandon
 # (the kernel's view decides what it owns, not bytes someone else could have written).
@@ -201,3 +201,13 @@ def iso8601(ts: float) -> str:
     import datetime  # only for printing: listing turns in process does not need it
 
     return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def __getattr__(name: str) -> Any:
+    """`cgturn.model.Port`, where it was first defined (cgturn.ports), loaded when asked for: listing
+    names ports, most users of this module (`cgturn run`) never do."""
+    if name == "Port":
+        from .ports import Port
+
+        return Port
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -236,10 +236,13 @@ def prepare_spawn(argv, popen_kwargs: dict) -> tuple[list[str], str, dict, "Iden
     Returns (argv as a list of str, the program's resolved path, Popen kwargs, the identity
     `user=`/`group=`/`extra_groups=` ask for or None). Raises ValueError for an unknown user or group.
     """
-    from ..identity import resolve_identity
-
     kwargs = dict(popen_kwargs)
-    identity = resolve_identity(*(kwargs.pop(name, None) for name in IDENTITY_KWARGS))
+    asked = [kwargs.pop(name, None) for name in IDENTITY_KWARGS]
+    identity = None
+    if asked != [None] * len(IDENTITY_KWARGS):  # the user database, only for a spawn that names someone
+        from ..identity import resolve_identity
+
+        identity = resolve_identity(*asked)
     argv, kwargs = normalize_spawn(argv, kwargs)
     env = kwargs.get("env")
     path = os.environ.get("PATH", os.defpath) if env is None else env.get("PATH", env.get(b"PATH", os.defpath))

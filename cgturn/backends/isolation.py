@@ -13,10 +13,13 @@ or group is a ValueError, a missing helper an IsolationUnavailable.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 from ..errors import IsolationUnavailable
-from ..identity import Identity
 from ..kernel import procfd
+
+if TYPE_CHECKING:
+    from ..identity import Identity
 
 SETPRIV = "setpriv"
 NSENTER = "nsenter"

@@ -111,8 +111,9 @@ def _run(args, cmd: list[str], limits, report: "run_reporter.Reporter") -> int:
     too_small = _below_one_page(limits)
     if too_small:
         return report.not_started(_cannot_start(cmd, too_small), too_small)
-    from ..identity import resolve_identity
-    resolve_identity(args.user, args.group, args.extra_groups)  # an unknown user or group exits 2 here too
+    if (args.user, args.group, args.extra_groups) != (None, None, None):
+        from ..identity import resolve_identity
+        resolve_identity(args.user, args.group, args.extra_groups)  # an unknown user or group exits 2 here too
     if args.writable is not None:  # a refused path exits 2 here, before anything is made
         if not args.seal:
             raise ValueError("--writable applies to a sealed turn only (--seal)")
