@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -122,6 +123,11 @@ class TurnView:
     # Ids of the turn's cgroup and every cgroup below it (sock_diag reports these); empty without one.
     cgroup_ids: frozenset[int] = frozenset()
     path: str | None = None
+    # Read in the same pass when the listing asked for detail (`Backend.views(detail=True)`); None:
+    # not read there (the listing asks the backend for each turn's instead).
+    usage: "Usage | None" = None
+    pressure: dict[str, dict[str, float] | None] | None = None
+    frozen: bool | None = None
 
 
 @dataclass(slots=True)
@@ -179,14 +185,17 @@ class TurnInfo:
 
     def to_json(self) -> dict[str, Any]:
         """The documented `cgturn ps --json` object."""
-        from .limits import Limits, Usage
+        from .limits import Usage
 
         data = {name: getattr(self, name) for name in ("task", "turn", "state", "pids", "owner_pid", "reason",
                                                       "cpu_seconds", "memory_bytes")}
         data["ports"] = [port.to_json() for port in self.ports]
         data.update((name, getattr(self, name)) for name in ("path", "frozen", "sealed", "network"))
         data["started_at"] = iso8601(self.started_at)
-        data["limits"] = {k: v for k, v in (self.limits or Limits()).to_json().items() if k != "oom_group"}
+        if self.limits is None:
+            data["limits"] = dict(_no_limits_json())  # most turns
+        else:
+            data["limits"] = {k: v for k, v in self.limits.to_json().items() if k != "oom_group"}
         usage = self.usage or Usage(cpu_seconds=self.cpu_seconds)
         data.update(oom_kills=usage.oom_kills, pids_max_hits=usage.pids_max_hits,
                     memory_peak_bytes=usage.memory_peak_bytes, cpu_throttled_seconds=usage.cpu_throttled_seconds)
@@ -195,6 +204,14 @@ class TurnInfo:
         data["keys"] = dict(self.keys or {})
         data["age_seconds"] = round(self.age_seconds, 3)
         return data
+
+
+@functools.lru_cache(maxsize=1)
+def _no_limits_json() -> dict[str, Any]:
+    """The `limits` of a turn without limits in `ps --json`, made once (not once per turn)."""
+    from .limits import Limits
+
+    return {k: v for k, v in Limits().to_json().items() if k != "oom_group"}
 
 
 def iso8601(ts: float) -> str:

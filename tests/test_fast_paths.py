@@ -8,6 +8,7 @@ import signal
 import subprocess
 import textwrap
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -335,6 +336,39 @@ def test_ps_json_is_one_array_with_a_turn_per_line(cgroup2_manager, cgroup2_root
     for turn in turns:
         turn.complete()
     assert cli(cgroup2_root, state_dir, "ps", "--json").stdout == "[]\n"
+
+
+def test_a_detailed_listing_reads_each_turns_files_once_relative_to_its_task(cgroup2_manager, cgroup2_root,
+                                                                               monkeypatch):
+    """`ps` over thousands of turns is kernfs opens: a detailed listing opens each file of a turn once
+    (cpu.stat serves its seconds and its usage), relative to the open task directory (the kernel walks
+    one component, not the mount path), and lists what the per-turn calls list."""
+    turns = [cgroup2_manager.begin_turn("fast", f"t{i}") for i in range(3)]
+    procs = [turn.spawn(["sleep", "60"]) for turn in turns]
+    with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=cgroup2_manager.state_dir) as fresh:
+        opened = []
+        real_open = os.open
+
+        def recording_open(path, flags, mode=0o777, *, dir_fd=None):
+            opened.append((os.fsdecode(path), dir_fd))
+            return real_open(path, flags, mode, dir_fd=dir_fd)
+
+        monkeypatch.setattr(os, "open", recording_open)
+        listed = fresh.turns(detail=True)
+        monkeypatch.undo()
+        for info, turn in zip(listed, turns):  # what the per-turn reads give (but the CPU a starting sleep uses)
+            assert (replace(info.usage, cpu_seconds=0), info.frozen) == (replace(turn.usage(), cpu_seconds=0),
+                                                                         turn.frozen)
+    turn_files = [(path, fd) for path, fd in opened if path.startswith(("t0/", "t1/", "t2/"))
+                  or "/fast/t" in path]
+    assert not [path for path, fd in turn_files if fd is None], turn_files  # none by its mount path
+    for name in ("cpu.stat", "cpu.pressure", "memory.pressure", "io.pressure", "cgroup.events", "cgroup.procs"):
+        assert sorted(path for path, _ in turn_files if path.endswith("/" + name)) == \
+            [f"t{i}/{name}" for i in range(3)], name
+    assert [(i.turn, i.pids, i.frozen) for i in listed] == [(f"t{i}", [p.pid], False) for i, p in enumerate(procs)]
+    assert all(set(i.pressure) == {"cpu", "memory", "io"} and i.usage is not None for i in listed)
+    for turn in turns:
+        turn.abandon("test", grace=0)
 
 
 def _subparsers(parser):

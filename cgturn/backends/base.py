@@ -197,8 +197,10 @@ class Backend(abc.ABC):
         """The turn's cgroup directory, where the backend has one (observability: ports, cpu)."""
 
     @abc.abstractmethod
-    def views(self, task_key: str | None = None) -> list[TurnView]:
-        """Every existing turn (of one task) with its live pids and usage: what `ps` lists."""
+    def views(self, task_key: str | None = None, detail: bool = False) -> list[TurnView]:
+        """Every existing turn (of one task) with its live pids and usage: what `ps` lists. `detail`:
+        the backend may read each turn's usage, pressure and frozen state in the same pass (a view
+        leaves what it did not read None)."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -427,15 +427,22 @@ class Cgroup2Backend(Backend):
         except (OSError, CgturnError) as err:
             log.warning("cannot remove the empty task directory %r: %s", task_key, err)
 
-    def views(self, task_key=None) -> list[TurnView]:
-        """One pass over the tree (see cgroup2_views). A turn without v2 memory.current but with a v1
-        memory directory (a hybrid host, a turn with limits) gets its v1 memory.usage_in_bytes: what the
-        kernel charges it, page cache included, as memory.current would be (ps, the memory guard)."""
-        out = cgroup2_views.views(self.root, self.meta, task_key)
+    def views(self, task_key=None, detail=False) -> list[TurnView]:
+        """One pass over the tree (see cgroup2_views), with every turn's usage, pressure and frozen
+        state when `detail`. A turn without v2 memory.current but with a v1 memory directory (a hybrid
+        host, a turn with limits) gets its v1 memory.usage_in_bytes: what the kernel charges it, page
+        cache included, as memory.current would be (ps, the memory guard)."""
+        out = cgroup2_views.views(self.root, self.meta, task_key, self._listed_usage if detail else None)
         for view in out:
             if view.memory_bytes is None and view.record.v1_dirs:
                 view.memory_bytes = self.layout.v1_memory_bytes(view.record.task_key, view.record.turn_key)
         return out
+
+    def _listed_usage(self, record: TurnRecord, name: str, task_fd: int, cpu_stat: str) -> Usage:
+        """turn_usage in a listing's pass: the turn `name` of the open task directory `task_fd`, whose
+        cpu.stat the listing read (cgroup2_views)."""
+        return self.layout.usage(name, record.task_key, record.turn_key, v1=record.v1_dirs, dir_fd=task_fd,
+                                 cpu_stat=cpu_stat)
 
     # A turn has v1 directories only when its record says so (`v1_dirs`, set under its lock when they
     # are made): a turn without limits opens no v1 file.
