@@ -290,6 +290,34 @@ def test_the_sentinel_of_a_sigkilled_owner_abandons_its_turn(cgroup2_root, state
             owner.wait()
 
 
+def test_a_process_that_began_no_turn_finds_it_owns_none_without_reading_records(cgroup2_manager, cgroup2_root,
+                                                                                  state_dir):
+    """A new sentinel tracks the running turns its owner began before: a process that began none (a
+    `cgturn run` beside thousands of turns) is answered without reading every record of the root."""
+    for i in range(3):
+        cgroup2_manager.begin_turn("fast", f"other{i}")  # begun by this process: not the child's
+    code = textwrap.dedent("""
+        import json, sys
+        from cgturn import TurnManager
+        mgr = TurnManager(root=sys.argv[1], backend="cgroup2", state_dir=sys.argv[2], sentinel=False)
+        reads = []
+        backend = mgr._control.backend
+        real = backend.records
+        backend.records = lambda *a, **k: (reads.append(1), real(*a, **k))[1]
+        none = mgr._control.running_turns_of_caller()
+        before = len(reads)
+        turn = mgr.begin_turn("fast", "mine")
+        mine = mgr._control.running_turns_of_caller()
+        turn.complete()
+        mgr.close()
+        print(json.dumps([none, before, mine, len(reads) > before]))
+    """)
+    out = subprocess.run([PY, "-c", code, cgroup2_root, state_dir], capture_output=True, text=True, env=cgturn_env(),
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [[], 0, [["fast", "mine"]], True]
+
+
 def test_a_forked_sentinel_holds_none_of_its_owners_descriptors(cgroup2_root, state_dir):
     """What the owner's caller waits on (a pipe) must not be held open by the sentinel it leaves behind."""
     read_end, write_end = os.pipe()
