@@ -318,6 +318,63 @@ def test_a_process_that_began_no_turn_finds_it_owns_none_without_reading_records
     assert json.loads(out.stdout) == [[], 0, [["fast", "mine"]], True]
 
 
+EARLY_DEATH = textwrap.dedent("""
+    import json, os, select, signal, sys
+    from cgturn import Supervisor, TurnManager, processes
+    real = processes.open_owner
+
+    def late(pid, start):  # the sentinel looks at its owner only once the owner is dead
+        fd = os.pidfd_open(pid)
+        select.select([fd], [], [])
+        os.close(fd)
+        return real(pid, start)
+
+    processes.open_owner = late
+    mgr = TurnManager(root=sys.argv[1], backend="cgroup2", state_dir=sys.argv[2])
+    sentinel = Supervisor.start_sentinel(mgr, wait=False)
+    child = mgr.begin_turn("fast", "early").spawn(["sleep", "300"])
+    print(json.dumps({"sentinel": sentinel, "child": child.pid}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_an_owner_sigkilled_before_its_sentinel_is_ready_still_loses_its_turn(cgroup2_root, state_dir):
+    """`cgturn run` makes its turn while its sentinel starts (start_sentinel(wait=False)): a sentinel
+    that finds its owner dead at its start abandons the turns it was told of."""
+    owner = subprocess.Popen([PY, "-c", EARLY_DEATH, cgroup2_root, state_dir], stdout=subprocess.PIPE, text=True,
+                             env=cgturn_env())
+    try:
+        started = json.loads(owner.stdout.readline())
+        assert owner.wait(timeout=BOUND) == -signal.SIGKILL
+        assert wait_until(lambda: not alive(started["child"]), timeout=BOUND)
+        with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, sentinel=False) as mgr:
+            assert wait_until(lambda: mgr.turns() == [], timeout=BOUND)
+        assert wait_until(lambda: not alive(started["sentinel"]), timeout=BOUND)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+
+
+def test_cgturn_run_whose_sentinel_cannot_start_runs_nothing_and_leaves_no_turn(cgroup2_root, state_dir, tmp_path):
+    """The sentinel's `ready` is waited for after the turn is made: when it never comes, the turn is
+    abandoned, CMD never starts, and run exits 125."""
+    code = textwrap.dedent("""
+        import sys
+        from cgturn import sentinel_start
+        from cgturn.cli import main
+        sentinel_start.PROGRAM = "cgturn.no_such_program"  # the forked sentinel exits at once, saying nothing
+        sys.exit(main(sys.argv[1:]))
+    """)
+    marker = tmp_path / "ran"
+    out = subprocess.run([PY, "-c", code, "--root", cgroup2_root, "--state-dir", state_dir, "run", "--",
+                          "touch", str(marker)], capture_output=True, text=True, env=cgturn_env(), timeout=60)
+    assert out.returncode == 125 and "the sentinel could not start" in out.stderr, out.stderr
+    assert not marker.exists()
+    with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, sentinel=False) as mgr:
+        assert mgr.turns() == []
+
+
 def test_a_forked_sentinel_holds_none_of_its_owners_descriptors(cgroup2_root, state_dir):
     """What the owner's caller waits on (a pipe) must not be held open by the sentinel it leaves behind."""
     read_end, write_end = os.pipe()
