@@ -50,8 +50,8 @@ KEPT_TASKS_MAX = 64
 
 
 def _spawn_paths():
-    """backends/spawn_paths.py, imported on the first spawn (a listing does not need it); kept in a
-    global, as `from . import` runs importlib's Python-level fromlist handling on every call."""
+    """backends/spawn_paths.py, imported on the first begin or spawn (a listing does not need it);
+    kept in a global, as `from . import` runs importlib's Python-level fromlist handling on every call."""
     global _SPAWN_PATHS
     if _SPAWN_PATHS is None:
         from . import spawn_paths
@@ -167,6 +167,9 @@ class Cgroup2Backend(Backend):
             raise
         if netns is not None:
             self.isolation.keep(record, netns)
+        # A turn is begun to be spawned into: the spawn paths are imported now, while `cgturn run`'s
+        # sentinel starts beside it, not after that, when its command starts.
+        _spawn_paths()
 
     def _create_turn(self, record: TurnRecord, limits: Limits) -> None:
         task = self.root.child(record.task_key)
