@@ -29,7 +29,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import clocks, ids, leases, processes, reasons, recovery
+from . import clocks, ids, leases, processes, reasons
 from .logfields import turn_fields
 from .model import ABANDONED, COMPLETED
 from .sentinel_protocol import MAX_MESSAGE, parse_message
@@ -324,6 +324,8 @@ class Sentinel:
             rec = self._control.record(*key)
             if rec is None or rec.state != COMPLETED or (leased and rec.expires_at is None):
                 return True
+            from . import recovery  # here, not before the sentinel's `ready`: its owner waits for that
+
             if recovery.remove_emptied(self._control, rec):
                 log.info("completed turn %r emptied: removed", key, extra=_key_fields(key))
                 return True
