@@ -8,11 +8,10 @@ modules import each other in one direction only (the guard starts the sentinel).
 """
 from __future__ import annotations
 
-import argparse
+import _socket  # as cgturn.sentinel: socket.py's enums are not worth a forked sentinel's start
 import json
 import logging
 import os
-import socket
 import sys
 from typing import TYPE_CHECKING
 
@@ -21,6 +20,8 @@ from . import statefiles
 from .sentinel_server import Sentinel
 
 if TYPE_CHECKING:
+    import argparse
+
     from .guard_runner import GuardRunner
 
 log = logging.getLogger("cgturn.sentinel")
@@ -28,8 +29,10 @@ log = logging.getLogger("cgturn.sentinel")
 LOG_FILE = "sentinel.log"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The sentinel's command line (what cgturn.sentinel's `_start_process` passes)."""
+def build_parser() -> "argparse.ArgumentParser":
+    """The sentinel's command line (what cgturn.sentinel_start passes an exec'd sentinel)."""
+    import argparse  # an exec'd sentinel's only: a forked one is handed its options (serve)
+
     p = argparse.ArgumentParser(prog="python -m cgturn.sentinel_main",
                                 description="the sentinel: enforces turn deadlines from outside the owner")
     p.add_argument("--fd", type=int, required=True, help="the SOCK_SEQPACKET channel from the owner")
@@ -68,7 +71,7 @@ def serve(fd: int, protocol_version: int | None, owner_pid: int, owner_start: in
         The exit status: 0 after serving, 1 when it could not start (the owner was told why).
     """
     _batch_policy()
-    sock = socket.socket(fileno=fd)
+    sock = _socket.socket(fileno=fd)
     log_problem = _setup_logging(state_dir)
     if (problem := protocol.version_problem(protocol_version)) is not None:
         # Another cgturn started this one (an upgrade under a running owner): refuse, never half serve.
@@ -151,9 +154,9 @@ def _setup_logging(state_dir: str) -> str | None:
     return problem
 
 
-def _tell_owner(sock: socket.socket, message: dict) -> None:
+def _tell_owner(sock: _socket.socket, message: dict) -> None:
     try:
-        sock.send(protocol.encode(message), socket.MSG_DONTWAIT)
+        sock.send(protocol.encode(message), _socket.MSG_DONTWAIT)
     except OSError:
         pass  # the owner is gone: the owner-death path handles that
 

@@ -22,9 +22,9 @@ abandoned once its CPU use passes its limit (reason `cpu-time`) or at its first 
 """
 from __future__ import annotations
 
+import _socket  # as cgturn.sentinel: socket.py's enums are not worth a forked sentinel's start
 import logging
 import select
-import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -60,10 +60,10 @@ class Sentinel:
         owner_pid, owner_start: the owner (pid + start time in clock ticks).
     """
 
-    def __init__(self, manager: "TurnManager", sock: socket.socket, owner_pid: int, owner_start: int | None):
+    def __init__(self, manager: "TurnManager", sock: _socket.socket, owner_pid: int, owner_start: int | None):
         self.manager = manager
         self._control = manager._control
-        self.sock: socket.socket | None = sock
+        self.sock: _socket.socket | None = sock
         self.tracked: dict[tuple[str, str], TurnClock] = {}
         # The tracked turns with a deadline or an inactivity timeout: the only clocks a wake-up looks
         # at (most turns are tracked for owner death alone, and there may be thousands of them).
@@ -127,12 +127,12 @@ class Sentinel:
         while self.sock is not None:
             try:
                 # SOCK_SEQPACKET keeps datagram boundaries; a longer one is cut and flagged MSG_TRUNC.
-                data, _anc, flags, _addr = self.sock.recvmsg(MAX_MESSAGE, 0, socket.MSG_DONTWAIT)
+                data, _anc, flags, _addr = self.sock.recvmsg(MAX_MESSAGE, 0, _socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return
             except OSError:
                 data, flags = b"", 0
-            if flags & socket.MSG_TRUNC:
+            if flags & _socket.MSG_TRUNC:
                 log.error("dropped a message longer than %d bytes from the owner", MAX_MESSAGE)
                 continue
             if not data:

@@ -118,6 +118,7 @@ NOT_IMPORTED_BY_RUN = (
     "termios", "cgturn.backends.gates",  # the shim's gates, for a spawn the native paths cannot make
     "cgturn.backends.seal", "cgturn.backends.isolation", "cgturn.kernel.sandbox",  # --seal, --network none
     "cgturn.ports",  # listing shows ports
+    "socket",  # the sentinel's channel is made with socket.py's C core, _socket
 )
 
 
