@@ -1,6 +1,4 @@
 """`python -m cgturn`: the same as the `cgturn` console script."""
-import sys
+from .cli import console
 
-from .cli import main
-
-sys.exit(main())
+console()

@@ -18,7 +18,6 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 UNLIMITED = "max"
@@ -59,7 +58,9 @@ def parse_size(text: str) -> int | str:
     match = _SIZE.fullmatch(value)
     if not match:
         raise ValueError(f"not a size: {text!r} (a number with an optional K, M, G or T, or 'max')")
-    # Exact arithmetic: a float would turn `12345678901234567` into another number.
+    # Exact arithmetic: a float would turn `12345678901234567` into another number. (fractions pulls
+    # in decimal: imported by the one parser that needs it, not at every `cgturn` start.)
+    from fractions import Fraction
     size = int(Fraction(match.group(1)) * _UNITS[match.group(2).lower()])
     if size > MAX_BYTES:
         raise ValueError(f"size too large: {text!r} (at most {MAX_BYTES} bytes, just under 8 EiB, what the "
@@ -182,8 +183,8 @@ class Limits:
 
     def to_json(self) -> dict[str, Any]:
         """The limits as `ps --json` and `cgturn limits --json` show them: null = no limit."""
-        return {f.name: (None if getattr(self, f.name) == UNLIMITED else getattr(self, f.name))
-                for f in dataclasses.fields(self)}
+        values = [getattr(self, name) for name in _FIELDS]  # _FIELDS: not dataclasses.fields() per call
+        return {name: None if value == UNLIMITED else value for name, value in zip(_FIELDS, values)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Limits":

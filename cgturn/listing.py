@@ -30,7 +30,7 @@ def list_turns(backend: Backend, limiter: "Limiter | None", task_key: str | None
     capability; none without it) and frozen state (what `cgturn ps` shows); without it only turns with
     limits get their usage read (cheap listings for a dashboard).
     """
-    views = backend.views(task_key)
+    views = backend.views(task_key, detail=detail)
     if not views:
         return []
     from .kernel import observe  # sockets and psutil: only when there is a turn to look at
@@ -56,11 +56,17 @@ def list_turns(backend: Backend, limiter: "Limiter | None", task_key: str | None
             info.keys = keys.live(rec.keys)
         if rec.limits:
             info.limits = stored_limits(rec.limits)
-        if detail or rec.limits or rec.v1_dirs:
+        if view.usage is not None:  # read in the views' pass (detail, where the backend can)
+            info.usage = view.usage
+        elif detail or rec.limits or rec.v1_dirs:
             info.usage = backend.turn_usage(rec)
         if detail:
-            info.pressure = limiter.turn_pressure(rec) if limiter is not None else None
-            info.frozen = rec.frozen_by is not None or backend.turn_frozen(rec)
+            if limiter is None:
+                info.pressure = None
+            else:
+                info.pressure = view.pressure if view.pressure is not None else limiter.turn_pressure(rec)
+            info.frozen = rec.frozen_by is not None or (view.frozen if view.frozen is not None
+                                                        else backend.turn_frozen(rec))
         out.append(info)
     out.sort(key=lambda info: (info.started_at, info.task, info.turn))
     return out

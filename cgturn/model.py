@@ -2,20 +2,21 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence, Union
 
-from .ports import Port as Port  # re-exported: `cgturn.model.Port` is where it was first defined
-
 if TYPE_CHECKING:
     from .limits import Limits, Usage
+    from .ports import Port as Port  # re-exported by __getattr__ below
 
 RUNNING = "running"
 COMPLETED = "completed"
 ABANDONED = "abandoned"
 STATES = (RUNNING, COMPLETED, ABANDONED)
+
 # Not a state a turn moves through: what a turn directory reads as when its record is missing,
 # unreadable, or disagrees with the directory it was read from. Such a turn is killed by any abandon
 # (the kernel's view decides what it owns, not bytes someone else could have written).
@@ -122,6 +123,11 @@ class TurnView:
     # Ids of the turn's cgroup and every cgroup below it (sock_diag reports these); empty without one.
     cgroup_ids: frozenset[int] = frozenset()
     path: str | None = None
+    # Read in the same pass when the listing asked for detail (`Backend.views(detail=True)`); None:
+    # not read there (the listing asks the backend for each turn's instead).
+    usage: "Usage | None" = None
+    pressure: dict[str, dict[str, float] | None] | None = None
+    frozen: bool | None = None
 
 
 @dataclass(slots=True)
@@ -179,14 +185,17 @@ class TurnInfo:
 
     def to_json(self) -> dict[str, Any]:
         """The documented `cgturn ps --json` object."""
-        from .limits import Limits, Usage
+        from .limits import Usage
 
         data = {name: getattr(self, name) for name in ("task", "turn", "state", "pids", "owner_pid", "reason",
                                                       "cpu_seconds", "memory_bytes")}
         data["ports"] = [port.to_json() for port in self.ports]
         data.update((name, getattr(self, name)) for name in ("path", "frozen", "sealed", "network"))
         data["started_at"] = iso8601(self.started_at)
-        data["limits"] = {k: v for k, v in (self.limits or Limits()).to_json().items() if k != "oom_group"}
+        if self.limits is None:
+            data["limits"] = dict(_no_limits_json())  # most turns
+        else:
+            data["limits"] = {k: v for k, v in self.limits.to_json().items() if k != "oom_group"}
         usage = self.usage or Usage(cpu_seconds=self.cpu_seconds)
         data.update(oom_kills=usage.oom_kills, pids_max_hits=usage.pids_max_hits,
                     memory_peak_bytes=usage.memory_peak_bytes, cpu_throttled_seconds=usage.cpu_throttled_seconds)
@@ -197,7 +206,25 @@ class TurnInfo:
         return data
 
 
+@functools.lru_cache(maxsize=1)
+def _no_limits_json() -> dict[str, Any]:
+    """The `limits` of a turn without limits in `ps --json`, made once (not once per turn)."""
+    from .limits import Limits
+
+    return {k: v for k, v in Limits().to_json().items() if k != "oom_group"}
+
+
 def iso8601(ts: float) -> str:
     import datetime  # only for printing: listing turns in process does not need it
 
     return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def __getattr__(name: str) -> Any:
+    """`cgturn.model.Port`, where it was first defined (cgturn.ports), loaded when asked for: listing
+    names ports, most users of this module (`cgturn run`) never do."""
+    if name == "Port":
+        from .ports import Port
+
+        return Port
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,7 @@
 """What the supervision layer reads from the kernel and the backends, in one ownership-layer module: the
 pressure guard's PSI trigger and per-turn loads (RSS, io.stat), its state on the managed root, the
-cgroup of the process a guard watches, and the sentinel's pidfd of its owner.
+cgroup of the process a guard watches. (The sentinel's pidfd of its owner is cgturn.processes.open_owner:
+the sentinel's start imports none of the guard's kernel readers.)
 
 Supervision (the guard, the sentinel) decides; this module only reads and arms, so that no supervision
 module imports `cgturn.kernel` or `cgturn.backends` (docs/design.md, the layer map). Everything else
@@ -11,7 +12,6 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from . import processes
 from .backends import guard_state
 from .kernel import cgroupfiles, discovery, observe, procfs, psi
 
@@ -74,17 +74,3 @@ def live_guard(manager: "TurnManager") -> dict[str, Any] | None:
     """The state of the guard armed on the managed root, or None when none is (or its owner died)."""
     return guard_state.live(manager._control.backend)
 
-
-def open_owner(pid: int, start: int | None) -> int | None:
-    """A pidfd of the process `pid` started at `start` (clock ticks), or None when it is already gone
-    or the pid was reused. A pidfd polls readable once its process exits (pidfd_open(2), Linux 5.3)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return None
-    # Checked after opening: the pidfd now pins this very process, so a later start-time match holds.
-    # Cannot look is not known to be dead: the pidfd will tell when it exits.
-    if not processes.alive_or_unknown(pid, start):
-        os.close(fd)
-        return None
-    return fd

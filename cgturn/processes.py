@@ -37,6 +37,21 @@ def alive_or_unknown(pid: int | None, started: int | None) -> bool:
     return procfs.alive_or_unknown(pid, started)
 
 
+def open_owner(pid: int, start: int | None) -> int | None:
+    """A pidfd of the process `pid` started at `start` (clock ticks), or None when it is already gone
+    or the pid was reused. A pidfd polls readable once its process exits (pidfd_open(2), Linux 5.3)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+    # Checked after opening: the pidfd now pins this very process, so a later start-time match holds.
+    # Cannot look is not known to be dead: the pidfd will tell when it exits.
+    if not alive_or_unknown(pid, start):
+        os.close(fd)
+        return None
+    return fd
+
+
 def own_thread_count() -> int | None:
     """How many threads the calling process runs, C libraries' included; None when unknown."""
     return procfs.own_thread_count()

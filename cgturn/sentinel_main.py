@@ -8,30 +8,35 @@ modules import each other in one direction only (the guard starts the sentinel).
 """
 from __future__ import annotations
 
-import argparse
+import _socket  # as cgturn.sentinel: socket.py's enums are not worth a forked sentinel's start
 import json
 import logging
 import os
-import socket
 import sys
+from typing import TYPE_CHECKING
 
 from . import sentinel_protocol as protocol
 from . import statefiles
-from .guard import PressureGuard
-from .guard_runner import GuardRunner
 from .sentinel_server import Sentinel
+
+if TYPE_CHECKING:
+    import argparse
+
+    from .guard_runner import GuardRunner
 
 log = logging.getLogger("cgturn.sentinel")
 
 LOG_FILE = "sentinel.log"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The sentinel's command line (what cgturn.sentinel's `_start_process` passes)."""
+def build_parser() -> "argparse.ArgumentParser":
+    """The sentinel's command line (what cgturn.sentinel_start passes an exec'd sentinel)."""
+    import argparse  # an exec'd sentinel's only: a forked one is handed its options (serve)
+
     p = argparse.ArgumentParser(prog="python -m cgturn.sentinel_main",
                                 description="the sentinel: enforces turn deadlines from outside the owner")
     p.add_argument("--fd", type=int, required=True, help="the SOCK_SEQPACKET channel from the owner")
-    p.add_argument("--protocol", type=int, help="the protocol version the owner speaks (cgturn.sentinel_protocol)")
+    p.add_argument("--protocol", type=int, dest="protocol_version", help="the protocol version the owner speaks (cgturn.sentinel_protocol)")
     p.add_argument("--owner-pid", type=int, required=True)
     p.add_argument("--owner-start", type=int, required=True)
     p.add_argument("--backend", required=True)
@@ -42,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the sentinel process.
+    """Entry point of the exec'd sentinel process: `serve` with its command line's options.
 
     Args:
         argv: the command line without the program (default: sys.argv[1:]).
@@ -50,11 +55,25 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The exit status: 0 after serving, 1 when it could not start (the owner was told why).
     """
-    args = build_parser().parse_args(argv)
+    return serve(**vars(build_parser().parse_args(argv)))
+
+
+def serve(fd: int, protocol_version: int | None, owner_pid: int, owner_start: int, backend: str, state_dir: str,
+          root: str | None = None, guard: str | None = None) -> int:
+    """The sentinel: tell the owner `ready` (or why not) on `fd`, then serve until done. A forked
+    sentinel calls it with the options themselves (cgturn.sentinel_start): no parser to build.
+
+    Args:
+        fd, protocol_version, owner_pid, owner_start, backend, state_dir, root, guard: as the command
+            line's `--fd`, `--protocol`, ... (build_parser).
+
+    Returns:
+        The exit status: 0 after serving, 1 when it could not start (the owner was told why).
+    """
     _batch_policy()
-    sock = socket.socket(fileno=args.fd)
-    log_problem = _setup_logging(args.state_dir)
-    if (problem := protocol.version_problem(args.protocol)) is not None:
+    sock = _socket.socket(fileno=fd)
+    log_problem = _setup_logging(state_dir)
+    if (problem := protocol.version_problem(protocol_version)) is not None:
         # Another cgturn started this one (an upgrade under a running owner): refuse, never half serve.
         message = f"the owner speaks {problem}"
         log.error("sentinel refuses to start: %s", message)
@@ -62,21 +81,21 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         from .manager import TurnManager
-        mgr = TurnManager(root=args.root, backend=args.backend, state_dir=args.state_dir, sentinel=False)
+        mgr = TurnManager(root=root, backend=backend, state_dir=state_dir, sentinel=False)
     except Exception as err:  # noqa: BLE001 - reported to the owner, who raises SentinelUnavailable
         log.exception("sentinel cannot start")
         _tell_owner(sock, protocol.error(f"{type(err).__name__}: {err}"))
         return 1
     with mgr:
         runner = None
-        if args.guard:
+        if guard:
             try:
-                runner = _arm_guard(mgr, args)
+                runner = _arm_guard(mgr, guard, owner_pid)
             except Exception as err:  # noqa: BLE001 - reported to the owner, who raises GuardUnavailable
                 log.error("pressure guard cannot start: %s", err)
                 _tell_owner(sock, protocol.error(str(err), guard=True))
                 return 1
-        server = Sentinel(mgr, sock, args.owner_pid, args.owner_start)
+        server = Sentinel(mgr, sock, owner_pid, owner_start)
         _tell_owner(sock, protocol.ready(log_problem))
         try:
             server.run()
@@ -100,9 +119,14 @@ def _batch_policy() -> None:
         log.debug("sentinel keeps its scheduling policy: %s", err)
 
 
-def _arm_guard(mgr, args) -> GuardRunner:
-    """Arm the pressure guard (or stand by while another guard owns the root) and start its thread."""
-    runner = GuardRunner(PressureGuard.from_json(json.loads(args.guard)), mgr, owner_pid=args.owner_pid)
+def _arm_guard(mgr, guard: str, owner_pid: int) -> "GuardRunner":
+    """Arm the pressure guard (or stand by while another guard owns the root) and start its thread.
+    Its modules are imported here, by a sentinel that has a guard to arm: a sentinel's start is
+    part of `cgturn run`'s, and most sentinels arm none."""
+    from .guard import PressureGuard
+    from .guard_runner import GuardRunner
+
+    runner = GuardRunner(PressureGuard.from_json(json.loads(guard)), mgr, owner_pid=owner_pid)
     if not runner.arm(standby=True):
         log.info("pressure guard on standby: process %s owns this managed root", (runner.owned_by or {}).get("owner_pid"))
     runner.start()
@@ -130,9 +154,9 @@ def _setup_logging(state_dir: str) -> str | None:
     return problem
 
 
-def _tell_owner(sock: socket.socket, message: dict) -> None:
+def _tell_owner(sock: _socket.socket, message: dict) -> None:
     try:
-        sock.send(protocol.encode(message), socket.MSG_DONTWAIT)
+        sock.send(protocol.encode(message), _socket.MSG_DONTWAIT)
     except OSError:
         pass  # the owner is gone: the owner-death path handles that
 

@@ -22,14 +22,14 @@ abandoned once its CPU use passes its limit (reason `cpu-time`) or at its first 
 """
 from __future__ import annotations
 
+import _socket  # as cgturn.sentinel: socket.py's enums are not worth a forked sentinel's start
 import logging
 import select
-import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import clocks, ids, leases, probes, reasons, recovery
+from . import clocks, ids, leases, processes, reasons
 from .logfields import turn_fields
 from .model import ABANDONED, COMPLETED
 from .sentinel_protocol import MAX_MESSAGE, parse_message
@@ -60,10 +60,10 @@ class Sentinel:
         owner_pid, owner_start: the owner (pid + start time in clock ticks).
     """
 
-    def __init__(self, manager: "TurnManager", sock: socket.socket, owner_pid: int, owner_start: int | None):
+    def __init__(self, manager: "TurnManager", sock: _socket.socket, owner_pid: int, owner_start: int | None):
         self.manager = manager
         self._control = manager._control
-        self.sock: socket.socket | None = sock
+        self.sock: _socket.socket | None = sock
         self.tracked: dict[tuple[str, str], TurnClock] = {}
         # The tracked turns with a deadline or an inactivity timeout: the only clocks a wake-up looks
         # at (most turns are tracked for owner death alone, and there may be thousands of them).
@@ -72,7 +72,7 @@ class Sentinel:
         self.leases: dict[tuple[str, str], float] = {}  # turn key -> monotonic time to look at its lease
         self.ended: set[tuple[str, str]] = set()  # turns the owner ended: removed here once emptied
         self.watches: dict[tuple[str, str], Watch] = {}  # turns with a CPU-time limit or an OOM watch
-        self.owner_pidfd = probes.open_owner(owner_pid, owner_start)
+        self.owner_pidfd = processes.open_owner(owner_pid, owner_start)
         self.owner_dead = self.owner_pidfd is None
         self.orphaned = False  # the owner is dead and its running turns were abandoned
         self.kills: list[threading.Thread] = []
@@ -127,12 +127,12 @@ class Sentinel:
         while self.sock is not None:
             try:
                 # SOCK_SEQPACKET keeps datagram boundaries; a longer one is cut and flagged MSG_TRUNC.
-                data, _anc, flags, _addr = self.sock.recvmsg(MAX_MESSAGE, 0, socket.MSG_DONTWAIT)
+                data, _anc, flags, _addr = self.sock.recvmsg(MAX_MESSAGE, 0, _socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return
             except OSError:
                 data, flags = b"", 0
-            if flags & socket.MSG_TRUNC:
+            if flags & _socket.MSG_TRUNC:
                 log.error("dropped a message longer than %d bytes from the owner", MAX_MESSAGE)
                 continue
             if not data:
@@ -324,6 +324,8 @@ class Sentinel:
             rec = self._control.record(*key)
             if rec is None or rec.state != COMPLETED or (leased and rec.expires_at is None):
                 return True
+            from . import recovery  # here, not before the sentinel's `ready`: its owner waits for that
+
             if recovery.remove_emptied(self._control, rec):
                 log.info("completed turn %r emptied: removed", key, extra=_key_fields(key))
                 return True

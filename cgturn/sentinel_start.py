@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import processes
 from . import sentinel_protocol as protocol
@@ -38,16 +38,20 @@ def start(manager: "TurnManager", fd: int) -> "subprocess.Popen[bytes] | ForkedS
     `cgturn run`'s start-up), else `python -m cgturn.sentinel_main` (fork(2) copies only the calling
     thread, so another thread's locks, held at the fork, would stay held in the child for ever)."""
     me = os.getpid()
+    options = {"fd": fd, "protocol_version": protocol.VERSION, "owner_pid": me,
+               "owner_start": processes.start_time(me), "backend": manager.backend_name,
+               "state_dir": manager.state_dir, "root": manager.root,
+               "guard": None if manager.guard is None else json.dumps(manager.guard.to_json())}
+    _reap_forked()
+    if _single_threaded():
+        return _fork(options)
     args = ["--fd", str(fd), "--protocol", str(protocol.VERSION), "--owner-pid", str(me),
-            "--owner-start", str(processes.start_time(me)), "--backend", manager.backend_name,
+            "--owner-start", str(options["owner_start"]), "--backend", manager.backend_name,
             "--state-dir", manager.state_dir]
     if manager.root is not None:
         args += ["--root", manager.root]
     if manager.guard is not None:
-        args += ["--guard", json.dumps(manager.guard.to_json())]
-    _reap_forked()
-    if _single_threaded():
-        return _fork(args, fd)
+        args += ["--guard", str(options["guard"])]
     env = dict(os.environ)
     # The sentinel must import this very cgturn, installed or not.
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,20 +67,22 @@ def _single_threaded() -> bool:
     return processes.own_thread_count() == 1
 
 
-def _fork(args: list[str], fd: int) -> "ForkedSentinel":
+def _fork(options: dict[str, Any]) -> "ForkedSentinel":
     """fork(2) the sentinel: the child leaves this process's session, stdio, descriptors (all but
-    `fd`), signal handlers and logging behind, as an exec'd interpreter would not have them, then runs
-    cgturn.sentinel_main and exits with its status, never returning into the caller's code."""
+    its end of the channel, `options["fd"]`), signal handlers and logging behind, as an exec'd
+    interpreter would not have them, then serves as cgturn.sentinel_main and exits with its status,
+    never returning into the caller's code."""
     pid = os.fork()
     if pid == 0:  # the child: never return from here
         status = 1
         try:
-            _leave_owner(fd)
-            # Run the program the exec'd sentinel runs, `python -m cgturn.sentinel_main`, minus the
-            # interpreter start: named, as `-m` names it, not imported by this module (it arms the
-            # guard, whose module starts the sentinel through this one). Not runpy.run_module: it
+            _leave_owner(options["fd"])
+            # Serve as the exec'd sentinel does, `python -m cgturn.sentinel_main`, minus the
+            # interpreter start and the parse of a command line (argparse alone was a quarter of a
+            # forked sentinel's start): named, as `-m` names it, not imported by this module (the
+            # guard, which it arms, starts the sentinel through this one). Not runpy.run_module: it
             # needs a loader with get_code, and an import hook (pytest's) may have none.
-            status = importlib.import_module(PROGRAM).main(args)
+            status = importlib.import_module(PROGRAM).serve(**options)
         except SystemExit as done:
             status = done.code if isinstance(done.code, int) else 1
         except BaseException:  # noqa: BLE001 - nothing of the owner's may run on in this process

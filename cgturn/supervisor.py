@@ -371,19 +371,22 @@ class Supervisor:
             self._fired()
 
     @staticmethod
-    def start_sentinel(manager: Any) -> int | None:
+    def start_sentinel(manager: Any, wait: bool = True) -> int | None:
         """Start the sentinel of `manager` now, before any turn exists; its pid, or None when the
         manager's sentinel is switched off (`TurnManager(sentinel=False)`, env CGTURN_SENTINEL=0).
 
         A Supervisor starts it on first use; a process that must not run a turn's first command
         unguarded (`cgturn run`: a SIGKILLed owner's turn is abandoned at once) starts it first, and
-        every turn the manager begins afterwards is tracked from its first moment.
+        every turn the manager begins afterwards is tracked from its first moment. `wait=False`
+        returns while the sentinel starts (what it is told meanwhile waits in its channel; a
+        sentinel that finds its owner dead at its start abandons the turns it was told of): the
+        next Supervisor's start waits for it to report ready, or raises as below.
 
         Raises:
             SentinelUnavailable: the sentinel did not report ready.
             GuardUnavailable: the sentinel could not arm the manager's pressure guard.
         """
-        client = sentinel.attach(manager)
+        client = sentinel.attach(manager, wait=wait)
         return None if client is None else client.pid
 
     def stop(self, reason: str = REASON_STOP, grace: float | None = None, interrupt: bool = True) -> AbandonResult:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import textwrap
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -106,20 +107,92 @@ def test_an_abandon_that_finds_the_turn_gone_skips_it(cgroup2_manager):
     assert turn.abandon("test", grace=0).skipped
 
 
-def test_cgturn_run_imports_neither_asyncio_nor_the_stdlibs_heavy_helpers(cgroup2_root, state_dir):
-    """A blocking supervisor needs no event loop, a program is looked up without shutil, a turn id
-    drawn without secrets (hmac, hashlib): `cgturn run` imports none of them."""
+# What `cgturn run -- CMD` (no options) has no use for, each imported only where it is used.
+NOT_IMPORTED_BY_RUN = (
+    "asyncio", "concurrent.futures",  # a blocking supervisor needs no event loop, nor a kill pool
+    "secrets", "hmac",  # a turn id is drawn from os.urandom
+    "shutil",  # a program is looked up with shutil.which's own test; helpers only for isolation
+    "fractions", "decimal",  # parse_size, for --memory and the like
+    "platform",  # the seal's filter asks os.uname()
+    "pwd", "grp", "cgturn.identity",  # the user database, for --user/--group only
+    "termios", "cgturn.backends.gates",  # the shim's gates, for a spawn the native paths cannot make
+    "cgturn.backends.seal", "cgturn.backends.isolation", "cgturn.kernel.sandbox",  # --seal, --network none
+    "cgturn.ports",  # listing shows ports
+    "socket",  # the sentinel's channel is made with socket.py's C core, _socket
+)
+
+
+def test_cgturn_run_imports_nothing_it_does_not_use(cgroup2_root, state_dir):
+    """An import is a cost of every `cgturn run`: none of NOT_IMPORTED_BY_RUN is paid for."""
     code = textwrap.dedent("""
         import sys
         before = set(sys.modules)  # what the interpreter's own start imported (site may import shutil)
         from cgturn.cli import main
-        status = main(sys.argv[1:])
-        print(sorted(m for m in ("asyncio", "shutil", "secrets", "hmac", "concurrent.futures") if m in sys.modules and m not in before))
+        status = main(sys.argv[1:-1])
+        print(sorted(m for m in sys.argv[-1].split() if m in sys.modules and m not in before))
         sys.exit(status)
     """)
-    out = subprocess.run([PY, "-c", code, "--root", cgroup2_root, "--state-dir", state_dir, "run", "--", "true"],
-                         capture_output=True, text=True, env=cgturn_env(), timeout=60)
+    out = subprocess.run([PY, "-c", code, "--root", cgroup2_root, "--state-dir", state_dir, "run", "--", "true",
+                          " ".join(NOT_IMPORTED_BY_RUN)], capture_output=True, text=True, env=cgturn_env(), timeout=60)
     assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+
+
+CONSOLE = textwrap.dedent("""
+    import atexit, sys
+    from cgturn import cli
+
+    class Torn:
+        def __del__(self):  # runs only when the interpreter tears its modules down
+            sys.stderr.write("torn down\\n")
+
+    kept = Torn()
+    atexit.register(lambda: sys.stderr.write("atexit ran\\n"))
+    cli.console()
+""")
+
+
+def test_the_console_script_exits_without_tearing_the_interpreter_down(cgroup2_root, state_dir):
+    """`cgturn` (and `python -m cgturn`) skip the interpreter's teardown, keeping what an exit owes:
+    the atexit functions, stdout flushed (run's `--report -` line), the command's exit status."""
+    out = subprocess.run([PY, "-c", CONSOLE, "--root", cgroup2_root, "--state-dir", state_dir, "run", "--report", "-",
+                          "--", "sh", "-c", "echo out; exit 3"], capture_output=True, text=True, env=cgturn_env(),
+                         timeout=60)
+    assert out.returncode == 3, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "out" and json.loads(lines[-1])["exit_status"] == 3, out.stdout
+    assert "atexit ran" in out.stderr and "torn down" not in out.stderr, out.stderr
+
+
+def test_the_console_exits_normally_while_a_thread_must_be_waited_for_or_a_flush_fails(monkeypatch):
+    """A thread that is not a daemon is waited for, and a failed flush is reported (status 120), by
+    the interpreter's own exit: console() takes it then."""
+    from cgturn import cli
+
+    def no_fast_exit(code):
+        raise AssertionError(f"os._exit({code}) with a thread to wait for or a failed flush")
+
+    monkeypatch.setattr(cli, "main", lambda: 7)
+    monkeypatch.setattr(cli.os, "_exit", no_fast_exit)
+    monkeypatch.setattr("atexit._run_exitfuncs", lambda: None)  # pytest's own must not run here
+    release = threading.Event()
+    waiting = threading.Thread(target=release.wait)
+    waiting.start()
+    try:
+        with pytest.raises(SystemExit) as exited:
+            cli.console()
+        assert exited.value.code == 7
+    finally:
+        release.set()
+        waiting.join()
+
+    class Broken:
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli.sys, "stdout", Broken())
+    with pytest.raises(SystemExit) as exited:
+        cli.console()
+    assert exited.value.code == 7
 
 
 def test_a_program_is_found_on_path_as_shutil_which_finds_it(tmp_path):
@@ -218,6 +291,91 @@ def test_the_sentinel_of_a_sigkilled_owner_abandons_its_turn(cgroup2_root, state
             owner.wait()
 
 
+def test_a_process_that_began_no_turn_finds_it_owns_none_without_reading_records(cgroup2_manager, cgroup2_root,
+                                                                                  state_dir):
+    """A new sentinel tracks the running turns its owner began before: a process that began none (a
+    `cgturn run` beside thousands of turns) is answered without reading every record of the root."""
+    for i in range(3):
+        cgroup2_manager.begin_turn("fast", f"other{i}")  # begun by this process: not the child's
+    code = textwrap.dedent("""
+        import json, sys
+        from cgturn import TurnManager
+        mgr = TurnManager(root=sys.argv[1], backend="cgroup2", state_dir=sys.argv[2], sentinel=False)
+        reads = []
+        backend = mgr._control.backend
+        real = backend.records
+        backend.records = lambda *a, **k: (reads.append(1), real(*a, **k))[1]
+        none = mgr._control.running_turns_of_caller()
+        before = len(reads)
+        turn = mgr.begin_turn("fast", "mine")
+        mine = mgr._control.running_turns_of_caller()
+        turn.complete()
+        mgr.close()
+        print(json.dumps([none, before, mine, len(reads) > before]))
+    """)
+    out = subprocess.run([PY, "-c", code, cgroup2_root, state_dir], capture_output=True, text=True, env=cgturn_env(),
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [[], 0, [["fast", "mine"]], True]
+
+
+EARLY_DEATH = textwrap.dedent("""
+    import json, os, select, signal, sys
+    from cgturn import Supervisor, TurnManager, processes
+    real = processes.open_owner
+
+    def late(pid, start):  # the sentinel looks at its owner only once the owner is dead
+        fd = os.pidfd_open(pid)
+        select.select([fd], [], [])
+        os.close(fd)
+        return real(pid, start)
+
+    processes.open_owner = late
+    mgr = TurnManager(root=sys.argv[1], backend="cgroup2", state_dir=sys.argv[2])
+    sentinel = Supervisor.start_sentinel(mgr, wait=False)
+    child = mgr.begin_turn("fast", "early").spawn(["sleep", "300"])
+    print(json.dumps({"sentinel": sentinel, "child": child.pid}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_an_owner_sigkilled_before_its_sentinel_is_ready_still_loses_its_turn(cgroup2_root, state_dir):
+    """`cgturn run` makes its turn while its sentinel starts (start_sentinel(wait=False)): a sentinel
+    that finds its owner dead at its start abandons the turns it was told of."""
+    owner = subprocess.Popen([PY, "-c", EARLY_DEATH, cgroup2_root, state_dir], stdout=subprocess.PIPE, text=True,
+                             env=cgturn_env())
+    try:
+        started = json.loads(owner.stdout.readline())
+        assert owner.wait(timeout=BOUND) == -signal.SIGKILL
+        assert wait_until(lambda: not alive(started["child"]), timeout=BOUND)
+        with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, sentinel=False) as mgr:
+            assert wait_until(lambda: mgr.turns() == [], timeout=BOUND)
+        assert wait_until(lambda: not alive(started["sentinel"]), timeout=BOUND)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+
+
+def test_cgturn_run_whose_sentinel_cannot_start_runs_nothing_and_leaves_no_turn(cgroup2_root, state_dir, tmp_path):
+    """The sentinel's `ready` is waited for after the turn is made: when it never comes, the turn is
+    abandoned, CMD never starts, and run exits 125."""
+    code = textwrap.dedent("""
+        import sys
+        from cgturn import sentinel_start
+        from cgturn.cli import main
+        sentinel_start.PROGRAM = "cgturn.no_such_program"  # the forked sentinel exits at once, saying nothing
+        sys.exit(main(sys.argv[1:]))
+    """)
+    marker = tmp_path / "ran"
+    out = subprocess.run([PY, "-c", code, "--root", cgroup2_root, "--state-dir", state_dir, "run", "--",
+                          "touch", str(marker)], capture_output=True, text=True, env=cgturn_env(), timeout=60)
+    assert out.returncode == 125 and "the sentinel could not start" in out.stderr, out.stderr
+    assert not marker.exists()
+    with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, sentinel=False) as mgr:
+        assert mgr.turns() == []
+
+
 def test_a_forked_sentinel_holds_none_of_its_owners_descriptors(cgroup2_root, state_dir):
     """What the owner's caller waits on (a pipe) must not be held open by the sentinel it leaves behind."""
     read_end, write_end = os.pipe()
@@ -264,6 +422,39 @@ def test_ps_json_is_one_array_with_a_turn_per_line(cgroup2_manager, cgroup2_root
     for turn in turns:
         turn.complete()
     assert cli(cgroup2_root, state_dir, "ps", "--json").stdout == "[]\n"
+
+
+def test_a_detailed_listing_reads_each_turns_files_once_relative_to_its_task(cgroup2_manager, cgroup2_root,
+                                                                               monkeypatch):
+    """`ps` over thousands of turns is kernfs opens: a detailed listing opens each file of a turn once
+    (cpu.stat serves its seconds and its usage), relative to the open task directory (the kernel walks
+    one component, not the mount path), and lists what the per-turn calls list."""
+    turns = [cgroup2_manager.begin_turn("fast", f"t{i}") for i in range(3)]
+    procs = [turn.spawn(["sleep", "60"]) for turn in turns]
+    with TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=cgroup2_manager.state_dir) as fresh:
+        opened = []
+        real_open = os.open
+
+        def recording_open(path, flags, mode=0o777, *, dir_fd=None):
+            opened.append((os.fsdecode(path), dir_fd))
+            return real_open(path, flags, mode, dir_fd=dir_fd)
+
+        monkeypatch.setattr(os, "open", recording_open)
+        listed = fresh.turns(detail=True)
+        monkeypatch.undo()
+        for info, turn in zip(listed, turns):  # what the per-turn reads give (but the CPU a starting sleep uses)
+            assert (replace(info.usage, cpu_seconds=0), info.frozen) == (replace(turn.usage(), cpu_seconds=0),
+                                                                         turn.frozen)
+    turn_files = [(path, fd) for path, fd in opened if path.startswith(("t0/", "t1/", "t2/"))
+                  or "/fast/t" in path]
+    assert not [path for path, fd in turn_files if fd is None], turn_files  # none by its mount path
+    for name in ("cpu.stat", "cpu.pressure", "memory.pressure", "io.pressure", "cgroup.events", "cgroup.procs"):
+        assert sorted(path for path, _ in turn_files if path.endswith("/" + name)) == \
+            [f"t{i}/{name}" for i in range(3)], name
+    assert [(i.turn, i.pids, i.frozen) for i in listed] == [(f"t{i}", [p.pid], False) for i, p in enumerate(procs)]
+    assert all(set(i.pressure) == {"cpu", "memory", "io"} and i.usage is not None for i in listed)
+    for turn in turns:
+        turn.abandon("test", grace=0)
 
 
 def _subparsers(parser):

@@ -182,7 +182,7 @@ def test_network_none_is_refused_by_the_registry_and_without_nsenter_before_anyt
 
     if manager.backend_name == "cgroup2":  # a missing helper: the one branch this host cannot produce
         isolation.helper.cache_clear()
-        monkeypatch.setattr(isolation.shutil, "which", lambda *a, **k: None)
+        monkeypatch.setattr("shutil.which", lambda *a, **k: None)  # isolation imports shutil where it looks
     with pytest.raises(IsolationUnavailable, match="nsenter|registry"):
         manager.begin_turn("refused", network="none")
     isolation.helper.cache_clear()
@@ -299,7 +299,7 @@ def test_seal_is_refused_by_the_registry_and_without_bubblewrap(manager, monkeyp
     if manager.backend_name == "cgroup2":
         isolation.helper.cache_clear()
         seal.check.cache_clear()
-        monkeypatch.setattr(isolation.shutil, "which", lambda *a, **k: None)
+        monkeypatch.setattr("shutil.which", lambda *a, **k: None)  # isolation imports shutil where it looks
     with pytest.raises(IsolationUnavailable, match="bubblewrap|registry"):
         manager.begin_turn("refused", seal=True)
     isolation.helper.cache_clear()

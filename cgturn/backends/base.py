@@ -197,8 +197,10 @@ class Backend(abc.ABC):
         """The turn's cgroup directory, where the backend has one (observability: ports, cpu)."""
 
     @abc.abstractmethod
-    def views(self, task_key: str | None = None) -> list[TurnView]:
-        """Every existing turn (of one task) with its live pids and usage: what `ps` lists."""
+    def views(self, task_key: str | None = None, detail: bool = False) -> list[TurnView]:
+        """Every existing turn (of one task) with its live pids and usage: what `ps` lists. `detail`:
+        the backend may read each turn's usage, pressure and frozen state in the same pass (a view
+        leaves what it did not read None)."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -236,10 +238,13 @@ def prepare_spawn(argv, popen_kwargs: dict) -> tuple[list[str], str, dict, "Iden
     Returns (argv as a list of str, the program's resolved path, Popen kwargs, the identity
     `user=`/`group=`/`extra_groups=` ask for or None). Raises ValueError for an unknown user or group.
     """
-    from ..identity import resolve_identity
-
     kwargs = dict(popen_kwargs)
-    identity = resolve_identity(*(kwargs.pop(name, None) for name in IDENTITY_KWARGS))
+    asked = [kwargs.pop(name, None) for name in IDENTITY_KWARGS]
+    identity = None
+    if asked != [None] * len(IDENTITY_KWARGS):  # the user database, only for a spawn that names someone
+        from ..identity import resolve_identity
+
+        identity = resolve_identity(*asked)
     argv, kwargs = normalize_spawn(argv, kwargs)
     env = kwargs.get("env")
     path = os.environ.get("PATH", os.defpath) if env is None else env.get("PATH", env.get(b"PATH", os.defpath))

@@ -50,8 +50,8 @@ KEPT_TASKS_MAX = 64
 
 
 def _spawn_paths():
-    """backends/spawn_paths.py, imported on the first spawn (a listing does not need it); kept in a
-    global, as `from . import` runs importlib's Python-level fromlist handling on every call."""
+    """backends/spawn_paths.py, imported on the first begin or spawn (a listing does not need it);
+    kept in a global, as `from . import` runs importlib's Python-level fromlist handling on every call."""
     global _SPAWN_PATHS
     if _SPAWN_PATHS is None:
         from . import spawn_paths
@@ -167,6 +167,9 @@ class Cgroup2Backend(Backend):
             raise
         if netns is not None:
             self.isolation.keep(record, netns)
+        # A turn is begun to be spawned into: the spawn paths are imported now, while `cgturn run`'s
+        # sentinel starts beside it, not after that, when its command starts.
+        _spawn_paths()
 
     def _create_turn(self, record: TurnRecord, limits: Limits) -> None:
         task = self.root.child(record.task_key)
@@ -427,15 +430,22 @@ class Cgroup2Backend(Backend):
         except (OSError, CgturnError) as err:
             log.warning("cannot remove the empty task directory %r: %s", task_key, err)
 
-    def views(self, task_key=None) -> list[TurnView]:
-        """One pass over the tree (see cgroup2_views). A turn without v2 memory.current but with a v1
-        memory directory (a hybrid host, a turn with limits) gets its v1 memory.usage_in_bytes: what the
-        kernel charges it, page cache included, as memory.current would be (ps, the memory guard)."""
-        out = cgroup2_views.views(self.root, self.meta, task_key)
+    def views(self, task_key=None, detail=False) -> list[TurnView]:
+        """One pass over the tree (see cgroup2_views), with every turn's usage, pressure and frozen
+        state when `detail`. A turn without v2 memory.current but with a v1 memory directory (a hybrid
+        host, a turn with limits) gets its v1 memory.usage_in_bytes: what the kernel charges it, page
+        cache included, as memory.current would be (ps, the memory guard)."""
+        out = cgroup2_views.views(self.root, self.meta, task_key, self._listed_usage if detail else None)
         for view in out:
             if view.memory_bytes is None and view.record.v1_dirs:
                 view.memory_bytes = self.layout.v1_memory_bytes(view.record.task_key, view.record.turn_key)
         return out
+
+    def _listed_usage(self, record: TurnRecord, name: str, task_fd: int, cpu_stat: str) -> Usage:
+        """turn_usage in a listing's pass: the turn `name` of the open task directory `task_fd`, whose
+        cpu.stat the listing read (cgroup2_views)."""
+        return self.layout.usage(name, record.task_key, record.turn_key, v1=record.v1_dirs, dir_fd=task_fd,
+                                 cpu_stat=cpu_stat)
 
     # A turn has v1 directories only when its record says so (`v1_dirs`, set under its lock when they
     # are made): a turn without limits opens no v1 file.

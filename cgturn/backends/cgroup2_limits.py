@@ -231,10 +231,13 @@ class Layout:
         path = self.v1_dirs(*names).get("memory")
         return None if path is None else controllers.read_int(f"{path}/memory.usage_in_bytes")
 
-    def usage(self, v2_dir: str, *names: str, figures: bool = True, v1: bool = True) -> Usage:
+    def usage(self, v2_dir: str, *names: str, figures: bool = True, v1: bool = True, dir_fd: int | None = None,
+              cpu_stat: str | None = None) -> Usage:
         """What the cgroup at `v2_dir` (with the v1 directories named, where it has them; none with
-        `v1=False`) used (`figures=False`: only the limit counters, see controllers.read_usage)."""
-        return controllers.read_usage(v2_dir, self.places(), self.v1_dirs(*names) if v1 else {}, figures)
+        `v1=False`) used (`figures=False`: only the limit counters; `dir_fd`, `cpu_stat`: a listing's
+        open task directory and the cpu.stat it read; see controllers.read_usage)."""
+        return controllers.read_usage(v2_dir, self.places(), self.v1_dirs(*names) if v1 else {}, figures,
+                                      dir_fd=dir_fd, cpu_stat=cpu_stat)
 
 
 # One value per limit field, to ask the layout's own rules (controllers.limit_files) whether the field can

@@ -8,19 +8,24 @@ cgroup.stat counts more cgroups than it has turns.
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 from ..kernel import parsers
-from ..kernel.cgroupfs import (CPU_STAT_FILE, MEMORY_CURRENT_FILE, STAT_FILE, Cgroup, child_entries, read_head,
-                               read_procs, read_text, walk_tree)
-from ..model import TurnView
+from ..kernel.cgroupfs import (CPU_STAT_FILE, EVENTS_FILE, MEMORY_CURRENT_FILE, STAT_FILE, Cgroup, child_entries,
+                               read_head, read_procs, read_text, walk_tree)
+from ..limits import Usage
+from ..model import TurnRecord, TurnView
 from .metadata import MetadataStore
 
 
-def views(root: Cgroup, meta: MetadataStore, task_key: str | None = None) -> list[TurnView]:
+def views(root: Cgroup, meta: MetadataStore, task_key: str | None = None,
+          usage: "UsageOf | None" = None) -> list[TurnView]:
     """One pass over the tree: per turn two small reads relative to the open task directory,
     and its record (read and parsed again only after the task's generation changed, see
     metadata.py); a sub-cgroup walk only where a task's cgroup.stat counts more cgroups than it
-    has turns.
+    has turns. With `usage` (the backend's usage of a turn: a listing with detail), also each
+    turn's usage, pressure and frozen state, read relative to the same open directory, cpu.stat
+    once for its seconds and its usage.
 
     This is the hot path of `ps` over 1000s of turns; kernfs syscalls are most of its cost, so
     it asks for nothing twice. (Reading tasks from two threads was tried and was slower: the
@@ -29,19 +34,25 @@ def views(root: Cgroup, meta: MetadataStore, task_key: str | None = None) -> lis
     tasks = [root.child(task_key).path] if task_key is not None else [c.path for c in root.children()]
     if task_key is None:
         meta.forget_tasks_except(tasks)
-    usage = UsageReader()
+    reader = UsageReader()
     out: list[TurnView] = []
     for task_path in tasks:
         task_fd = Cgroup(task_path).open_dir()
         if task_fd is None:
             continue
         try:
-            out.extend(_task_views(meta, task_path, task_fd, usage))
+            out.extend(_task_views(meta, task_path, task_fd, reader, usage))
         finally:
             os.close(task_fd)
     return out
 
-def _task_views(meta: MetadataStore, task_path: str, task_fd: int, usage: "UsageReader") -> list[TurnView]:
+
+# A backend's usage of the turn `name` of the open task directory, given its record and cpu.stat.
+UsageOf = Callable[[TurnRecord, str, int, str], Usage]
+
+
+def _task_views(meta: MetadataStore, task_path: str, task_fd: int, reader: "UsageReader",
+                usage: UsageOf | None) -> list[TurnView]:
     entries = child_entries(task_fd)
     # Turns rarely have sub-cgroups: when the task's cgroup.stat counts no more descendants
     # than it has turns, none has, and no turn needs a walk of its own.
@@ -59,8 +70,15 @@ def _task_views(meta: MetadataStore, task_path: str, task_fd: int, usage: "Usage
             cgroup_ids = frozenset(i for _, i in tree)
         else:
             pids, cgroup_ids = sorted(read_procs(name, dir_fd=task_fd)), frozenset((cgroup_id,))
-        cpu, mem = usage.read(task_fd, name)
-        out.append(TurnView(rec, pids, cpu, mem, cgroup_ids, path))
+        if usage is None:
+            cpu, mem = reader.read(task_fd, name)
+            out.append(TurnView(rec, pids, cpu, mem, cgroup_ids, path))
+            continue
+        cpu_stat = reader.cpu_stat(task_fd, name)
+        cpu = (parsers.parse_cpu_usage_usec(cpu_stat) or 0) / 1e6
+        out.append(TurnView(rec, pids, cpu, reader.memory_current(task_fd, name), cgroup_ids, path,
+                            usage=usage(rec, name, task_fd, cpu_stat), pressure=pressure(name, task_fd),
+                            frozen=_frozen(name, task_fd)))
     return out
 
 
@@ -78,13 +96,33 @@ class UsageReader:
             cpu = (parsers.parse_cpu_usage_usec(read_head(f"{path}/{CPU_STAT_FILE}", dir_fd=dir_fd)) or 0) / 1e6
         except OSError:
             cpu = 0.0
-        if not self.memory:
-            return cpu, None
+        return cpu, self.memory_current(dir_fd, path)
+
+    @staticmethod
+    def cpu_stat(dir_fd: int | None, path: str) -> str:
+        """The whole cpu.stat of the turn at `path` ('' when it cannot be read)."""
         try:
-            return cpu, int(read_text(f"{path}/{MEMORY_CURRENT_FILE}", dir_fd=dir_fd))
+            return read_text(f"{path}/{CPU_STAT_FILE}", dir_fd=dir_fd)
+        except OSError:
+            return ""
+
+    def memory_current(self, dir_fd: int | None, path: str) -> int | None:
+        """memory.current of the turn at `path`, or None (from the first turn without one on)."""
+        if not self.memory:
+            return None
+        try:
+            return int(read_text(f"{path}/{MEMORY_CURRENT_FILE}", dir_fd=dir_fd))
         except (OSError, ValueError):
             self.memory = False
-            return cpu, None
+            return None
+
+
+def _frozen(path: str, dir_fd: int | None) -> bool:
+    """cgroup.events `frozen` of the turn at `path` (False when it is gone)."""
+    try:
+        return parsers.parse_cgroup_events(read_text(f"{path}/{EVENTS_FILE}", dir_fd=dir_fd)).get("frozen", 0) == 1
+    except OSError:
+        return False
 
 
 def _descendant_count(cg: Cgroup) -> int:
@@ -98,14 +136,14 @@ def _descendant_count(cg: Cgroup) -> int:
 PRESSURE_RESOURCES = ("cpu", "memory", "io")
 
 
-def pressure(path: str) -> dict:
-    """{resource: {some_avg10, full_avg10} or None} of the cgroup at `path` (PSI files, 4.20+; every
-    v2 cgroup has them, controllers or not). A file the kernel lacks, or a missing `full` line (cpu
-    before 5.13), reads as None."""
+def pressure(path: str, dir_fd: int | None = None) -> dict:
+    """{resource: {some_avg10, full_avg10} or None} of the cgroup at `path` (relative to `dir_fd` when
+    given; PSI files, 4.20+; every v2 cgroup has them, controllers or not). A file the kernel lacks,
+    or a missing `full` line (cpu before 5.13), reads as None."""
     out: dict = {}
     for resource in PRESSURE_RESOURCES:
         try:
-            parsed = parsers.parse_pressure(read_text(f"{path}/{resource}.pressure"))
+            parsed = parsers.parse_pressure(read_text(f"{path}/{resource}.pressure", dir_fd=dir_fd))
         except OSError:
             out[resource] = None
             continue

@@ -13,11 +13,13 @@ or group is a ValueError, a missing helper an IsolationUnavailable.
 from __future__ import annotations
 
 import functools
-import shutil
+from typing import TYPE_CHECKING
 
 from ..errors import IsolationUnavailable
-from ..identity import Identity
 from ..kernel import procfd
+
+if TYPE_CHECKING:
+    from ..identity import Identity
 
 SETPRIV = "setpriv"
 NSENTER = "nsenter"
@@ -26,6 +28,8 @@ NSENTER = "nsenter"
 @functools.lru_cache(maxsize=None)
 def helper(name: str, package: str = "util-linux") -> str:
     """The absolute path of a helper program; IsolationUnavailable when it is not installed."""
+    import shutil  # here, not at every `cgturn` start: it imports the compressors (bz2, lzma, zlib)
+
     found = shutil.which(name, path="/usr/bin:/bin:/usr/sbin:/sbin")
     if found is None:
         raise IsolationUnavailable(f"{name} ({package}) is not installed: cannot isolate the spawn")

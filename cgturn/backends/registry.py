@@ -379,7 +379,7 @@ class RegistryBackend(Backend):
         """None: a registry turn has no cgroup."""
         return None
 
-    def views(self, task_key=None) -> list[TurnView]:
+    def views(self, task_key=None, detail=False) -> list[TurnView]:
         out = []
         for rec in self.records(task_key):
             pids = sorted(pid for pid, _ in self.members(rec))

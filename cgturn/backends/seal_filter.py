@@ -23,7 +23,7 @@ profile for the choices):
 from __future__ import annotations
 
 import errno
-import platform
+import os
 import struct
 
 from ..errors import IsolationUnavailable
@@ -83,8 +83,9 @@ def program() -> bytes:
     Raises:
         IsolationUnavailable: not an x86_64 machine (the only syscall table written here).
     """
-    if platform.machine() != "x86_64":
-        raise IsolationUnavailable(f"the seal's syscall filter is written for x86_64, not {platform.machine()}")
+    machine = os.uname().machine  # what platform.machine() reads, without importing platform
+    if machine != "x86_64":
+        raise IsolationUnavailable(f"the seal's syscall filter is written for x86_64, not {machine}")
     # (code, jump-if-true, jump-if-false, k): a jump is 0 (the next instruction) or a label's name;
     # a bare string is a label for the instruction after it.
     special = sorted([(CLONE3, "enosys"), (UNSHARE, "flags"), (CLONE, "flags"), (IOCTL, "ioctl"),

@@ -16,17 +16,18 @@ import dataclasses
 import errno
 import os
 import subprocess
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import NoSuchTurn
 from ..kernel.cgroupfs import Cgroup
 from ..limits import PAGE_SIZE, stored_under_one_page
 from ..model import RUNNING, TurnRecord
-from . import isolation, seal
 from .base import ENV_SCOPE, ENV_TASK, ENV_TURN, prepare_spawn
-from .gates import SpawnGates
 from .metadata import MetadataStore
 from .spawn_options import SpawnTarget
+
+if TYPE_CHECKING:  # the backend makes the gates on its first shim spawn (gates.py, termios and all)
+    from .gates import SpawnGates
 
 # `$0` is the gate (the path of a pipe's read end); $1-$3 the turn's CGTURN_TASK, CGTURN_TURN and
 # CGTURN_SCOPE; the rest the program and its arguments. Anything but "go" (EOF when the parent gave up
@@ -64,9 +65,13 @@ def spawn(record: TurnRecord, target: SpawnTarget, meta: MetadataStore, hooks: S
     if writable is not None and not record.sealed:
         raise ValueError("writable= applies to a sealed turn only (begin_turn(..., seal=True))")
     argv, program, kwargs, identity = prepare_spawn(argv, {k: v for k, v in popen_kwargs.items() if k != "writable"})
+    from . import isolation  # here: spawn_paths imports this module for every spawn, native ones too
+
     # Run by the shim after "go", in this order: inside the turn, as the caller, before the target.
     sealed_fd = None
     if record.sealed:
+        from . import seal  # a sealed turn's modules, not every spawn's
+
         steps, sealed_fd = seal.steps(writable, kwargs.get("cwd"), identity)
         kwargs["pass_fds"] = (*kwargs.get("pass_fds", ()), sealed_fd)
     else:

@@ -40,7 +40,7 @@ from ..kernel import spawn as kspawn
 from ..kernel.cgroupfiles import xattr_or_none
 from ..kernel.cgroupfs import Cgroup
 from ..model import RUNNING
-from . import isolation, seal, shim
+from . import shim
 from .shim import ShimHooks
 from .base import IDENTITY_KWARGS, normalize_spawn, prepare_spawn
 from .metadata import XATTR_KEY, MetadataStore, record_from_xattr
@@ -149,6 +149,8 @@ def _spawn_sealed(record: "TurnRecord", where: SpawnTarget, meta: MetadataStore,
         as _spawn_native; ValueError for a refused writable path or identity (nothing started).
     """
     argv, program, kwargs, identity = prepare_spawn(argv, {k: v for k, v in popen_kwargs.items() if k != "writable"})
+    from . import isolation, seal  # a sealed turn's modules, not every spawn's
+
     fds: list[int] = []
     try:
         if seal.native_works():
@@ -200,6 +202,8 @@ def _spawn_native(record: "TurnRecord", where: SpawnTarget, meta: MetadataStore,
     except kspawn.CloneUnsupported as err:
         if "seal" in kwargs:  # the sandbox's namespaces were refused, not clone3 into a cgroup
             log.info("a sealed clone refused by the kernel (%s); sealing with bubblewrap from now on", err)
+            from . import seal
+
             seal.native_refused()
             return None
         log.info("%s into a cgroup refused by the kernel (%s); spawning through the shim", way, err)

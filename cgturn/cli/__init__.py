@@ -5,7 +5,9 @@ code). Exceptions become exit codes in one table (`common.EXIT_CODES`).
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+from typing import NoReturn
 
 from .. import __version__
 from . import common
@@ -61,3 +63,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cgturn: {err}", file=sys.stderr)
         return common.EXIT_USAGE
     return common.invoke(args)
+
+
+def console() -> NoReturn:
+    """Entry point of the console script and `python -m cgturn`: main(), then exit without tearing
+    the interpreter down.
+
+    A normal exit finalizes every module and collects every object it loaded (~10 ms for what
+    `cgturn run` imports, a sixth of its start-up) when the kernel frees them all at once anyway.
+    What an exit must still do is done first, in the interpreter's order: the atexit functions run
+    (logging's flushes its handlers), then stdout and stderr are flushed. A thread that is not a
+    daemon would be waited for at a normal exit, so then, or when a flush fails (the interpreter
+    reports that and exits 120), the exit is the normal one: SystemExit. Never returns.
+    """
+    code = main()
+    threading = sys.modules.get("threading")
+    if threading is not None and any(not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(code)
+    import atexit
+    atexit._run_exitfuncs()  # they run once: a normal exit after this finds none left
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+    except (OSError, ValueError):
+        sys.exit(code)
+    os._exit(code)

@@ -111,8 +111,9 @@ def _run(args, cmd: list[str], limits, report: "run_reporter.Reporter") -> int:
     too_small = _below_one_page(limits)
     if too_small:
         return report.not_started(_cannot_start(cmd, too_small), too_small)
-    from ..identity import resolve_identity
-    resolve_identity(args.user, args.group, args.extra_groups)  # an unknown user or group exits 2 here too
+    if (args.user, args.group, args.extra_groups) != (None, None, None):
+        from ..identity import resolve_identity
+        resolve_identity(args.user, args.group, args.extra_groups)  # an unknown user or group exits 2 here too
     if args.writable is not None:  # a refused path exits 2 here, before anything is made
         if not args.seal:
             raise ValueError("--writable applies to a sealed turn only (--seal)")
@@ -126,10 +127,13 @@ def _run(args, cmd: list[str], limits, report: "run_reporter.Reporter") -> int:
         return report.not_started(_cannot_start(cmd, err), err)
     try:
         # Started before the turn exists, so the turn is guarded against our death from its first
-        # moment (a SIGKILLed `cgturn run` must not leave CMD running). Without a sentinel that
-        # promise cannot be kept: refuse to start CMD rather than run it unguarded.
+        # moment (a SIGKILLed `cgturn run` must not leave CMD running: a sentinel still starting
+        # abandons the turns it was told of when it finds us dead). Its `ready` is waited for by
+        # the supervisor's start, before CMD starts (meanwhile the turn is made: the two starts run
+        # side by side); without a sentinel that promise cannot be kept: refuse to start CMD
+        # rather than run it unguarded.
         try:
-            sentinel_pid = Supervisor.start_sentinel(manager)
+            sentinel_pid = Supervisor.start_sentinel(manager, wait=False)
             turn = manager.begin_turn(args.task, args.turn, limits=limits, admit_timeout=args.admit_timeout,
                                       seal=args.seal, network=args.network)
         except TurnExists:

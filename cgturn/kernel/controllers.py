@@ -187,27 +187,36 @@ def _v1_files(controller: str, limits: Limits) -> list[tuple[str, str]]:
 
 # --- usage ------------------------------------------------------------------------------------------
 
-def read_usage(v2_dir: str, places: dict[str, Place], v1_dirs: dict[str, str], figures: bool = True) -> Usage:
+def read_usage(v2_dir: str, places: dict[str, Place], v1_dirs: dict[str, str], figures: bool = True,
+               dir_fd: int | None = None, cpu_stat: str | None = None) -> Usage:
     """What the cgroup at `v2_dir` (and its v1 directories `v1_dirs`, controller -> path) used.
 
     Files this kernel or layout lacks leave their figure at its default (0, or None for peaks).
     `figures=False` reads only the counters of limits the kernel enforced (`oom_kills`,
-    `pids_max_hits`): what a limit audit needs, without cpu.stat and the peaks.
+    `pids_max_hits`): what a limit audit needs, without cpu.stat and the peaks. With `dir_fd`,
+    `v2_dir` is relative to that open directory (a listing's task directory: cgroupfiles.read_text);
+    `cpu_stat`: the cgroup's cpu.stat as the caller read it already (it is not read again).
     """
     usage = Usage()
-    cpu = _flat(f"{v2_dir}/cpu.stat") if figures else {}
+    if not figures:
+        cpu = {}
+    elif cpu_stat is not None:
+        cpu = parsers.parse_flat_keyed(cpu_stat)
+    else:
+        cpu = _flat(f"{v2_dir}/cpu.stat", dir_fd)
     usage.cpu_seconds = cpu.get("usage_usec", 0) / 1e6
     memory = places.get("memory")
     if memory is not None and memory.version == V2:
-        usage.oom_kills = _flat(f"{v2_dir}/memory.events").get("oom_kill", 0)
-        usage.memory_peak_bytes = read_int(f"{v2_dir}/memory.peak") if figures else None
+        usage.oom_kills = _flat(f"{v2_dir}/memory.events", dir_fd).get("oom_kill", 0)
+        usage.memory_peak_bytes = read_int(f"{v2_dir}/memory.peak", dir_fd) if figures else None
     elif memory is not None and "memory" in v1_dirs:
         usage.oom_kills = _flat(f"{v1_dirs['memory']}/memory.oom_control").get("oom_kill", 0)
         usage.memory_peak_bytes = read_int(f"{v1_dirs['memory']}/memory.max_usage_in_bytes") if figures else None
     pids = places.get("pids")
-    pids_dir = v2_dir if pids is not None and pids.version == V2 else v1_dirs.get("pids")
+    on_v2 = pids is not None and pids.version == V2
+    pids_dir = v2_dir if on_v2 else v1_dirs.get("pids")
     if pids is not None and pids_dir is not None:
-        usage.pids_max_hits = _flat(f"{pids_dir}/pids.events").get("max", 0)
+        usage.pids_max_hits = _flat(f"{pids_dir}/pids.events", dir_fd if on_v2 else None).get("max", 0)
     if not figures:
         return usage
     cpu_place = places.get("cpu")
@@ -218,16 +227,17 @@ def read_usage(v2_dir: str, places: dict[str, Place], v1_dirs: dict[str, str], f
     return usage
 
 
-def _flat(path: str) -> dict[str, int]:
+def _flat(path: str, dir_fd: int | None = None) -> dict[str, int]:
     try:
-        return parsers.parse_flat_keyed(read_text(path))
+        return parsers.parse_flat_keyed(read_text(path, dir_fd=dir_fd))
     except OSError:
         return {}
 
 
-def read_int(path: str) -> int | None:
-    """The integer a one-number cgroup file holds; None when absent or unreadable."""
+def read_int(path: str, dir_fd: int | None = None) -> int | None:
+    """The integer a one-number cgroup file holds (`path` relative to `dir_fd` when given); None when
+    absent or unreadable."""
     try:
-        return int(read_text(path).strip())
+        return int(read_text(path, dir_fd=dir_fd).strip())
     except (OSError, ValueError):
         return None

@@ -1,6 +1,8 @@
 """Pure parsers for kernel files, each named after the file it parses. They take text, never a path."""
 from __future__ import annotations
 
+import re
+
 
 def parse_flat_keyed(text: str) -> dict[str, int]:
     """Parse a flat-keyed cgroup file (`key value` per line), e.g. cgroup.events or cpu.stat.
@@ -169,18 +171,13 @@ def parse_pressure(text: str) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for line in text.splitlines():
         kind, _, rest = line.partition(" ")
-        if kind not in ("some", "full"):
-            continue
-        values = {}
-        for item in rest.split():
-            key, sep, value = item.partition("=")
-            if sep:
-                try:
-                    values[key] = float(value) if key != "total" else int(value)
-                except ValueError:
-                    continue
-        out[kind] = values
+        if kind == "some" or kind == "full":  # `ps` parses three of these per turn: the pairs in C
+            out[kind] = {key: int(value) if key == "total" else float(value)
+                         for key, value in _PSI_PAIR.findall(rest) if key != "total" or value.isdigit()}
     return out
+
+
+_PSI_PAIR = re.compile(r"(\w+)=(\d+(?:\.\d+)?)(?!\S)")  # key=number; another value is skipped
 
 
 def parse_io_stat_bytes(text: str) -> int:
