@@ -15,7 +15,7 @@ import pytest
 from conftest import PY, REPO, cgturn_env, turn_dir, wait_until
 from cgturn import TurnManager
 from cgturn.backends import cgroup2 as cgroup2_backend
-from cgturn.backends.metadata import XATTR_KEY, MetadataStore
+from cgturn.backends.metadata import GENERATION_KEY, XATTR_KEY, MetadataStore
 from cgturn.kernel import ancestry, procfs
 from cgturn.kernel.cgroupfs import Cgroup
 
@@ -128,6 +128,53 @@ def test_a_record_file_goes_with_the_xattr_write_that_supersedes_it(cgroup2_root
         assert turn.complete() is True and not os.path.exists(record_file)
     finally:
         mgr.close()
+
+
+# --- completion: the removal is the check ----------------------------------------------------------------
+
+def _generation(mgr, task: str) -> bytes:
+    return os.getxattr(task_path(mgr, task), GENERATION_KEY)
+
+
+def test_a_completion_that_removes_its_turn_leaves_the_task_stamp_alone(mgr, cgroup2_root, state_dir):
+    """The generation stamp tells other processes' listings that a record changed; a completion whose
+    rmdir removes the turn owes none (its directory is gone from every later listing), and one that
+    leaves survivors pays it, so a listing that kept the task's parsed records reads the new state."""
+    first = mgr.begin_turn("stamp", "1")  # a new task directory: its first record stamps it
+    stamped = _generation(mgr, "stamp")
+    assert first.complete() is True and not os.path.exists(turn_dir(mgr, first))
+    assert _generation(mgr, "stamp") == stamped
+
+    lister = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, sentinel=False)
+    try:
+        second = mgr.begin_turn("stamp", "2")
+        proc = second.spawn(["sleep", "300"])
+        assert [i.state for i in lister.turns("stamp")] == ["running"]  # parsed under the stamp read
+        assert second.complete() is True  # its sleep survives: the turn stays, completed
+        assert os.path.isdir(turn_dir(mgr, second)) and _generation(mgr, "stamp") != stamped
+        assert [(i.state, i.pids) for i in lister.turns("stamp")] == [("completed", [proc.pid])]
+        second.abandon("cleanup", grace=0, force=True)
+        proc.wait(timeout=30)
+    finally:
+        lister.close()
+
+
+def test_a_completion_that_cannot_remove_its_turn_stamps_the_task(mgr, monkeypatch):
+    """The stamp a completion left to the removal is paid whatever stops the rmdir: processes, or an
+    error (the turn stays, and listings must see it completed)."""
+    turn = mgr.begin_turn("stuck", "1")
+    mgr.begin_turn("stuck", "other")  # the task stays
+    stamped = _generation(mgr, "stuck")
+
+    def refused(self) -> bool:
+        raise PermissionError(13, "refused", self.path)
+
+    monkeypatch.setattr(Cgroup, "remove_if_empty", refused)
+    with pytest.raises(PermissionError):
+        turn.complete()
+    monkeypatch.undo()
+    assert _generation(mgr, "stuck") != stamped
+    assert turn.state == "completed" and os.path.isdir(turn_dir(mgr, turn))
 
 
 # --- members -----------------------------------------------------------------------------------------------
