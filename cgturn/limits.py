@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import json
 import math
+import operator
 import os
 import re
 from dataclasses import dataclass
@@ -171,7 +172,7 @@ class Limits:
 
     def is_empty(self) -> bool:
         """True when nothing is set (every field None)."""
-        return all(getattr(self, name) is None for name in _FIELDS)
+        return _field_values(self) == _NOTHING_SET  # one C call: asked three times per begin_turn
 
     def merged(self, changes: "Limits") -> "Limits":
         """These limits with every field `changes` sets (None leaves a field unchanged)."""
@@ -197,6 +198,8 @@ class Limits:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Limits))
+_field_values = operator.attrgetter(*_FIELDS)
+_NOTHING_SET = (None,) * len(_FIELDS)
 
 
 def stored_limits(text: str | None) -> Limits:

@@ -15,8 +15,8 @@ from ..errors import translate
 from . import dirlock, parsers
 from .cgroupfiles import (  # noqa: F401 - re-exported: the file layer's one import point
     CGROUP2_SUPER_MAGIC, CONTROLLERS_FILE, CPU_STAT_FILE, EVENTS_FILE, FREEZE_FILE, KILL_FILE, MEMORY_CURRENT_FILE,
-    PROCS_FILE, STAT_FILE, THREADS_FILE, XATTR_READ_SIZE, child_entries, get_xattr, is_cgroup2, read_head, read_procs,
-    read_text, walk_tree)
+    PROCS_FILE, STAT_FILE, THREADS_FILE, XATTR_READ_SIZE, child_entries, get_xattr, is_cgroup2,
+    read_head, read_procs, read_text, walk_tree)
 
 # errnos with which the kernel says "cgroup.kill cannot be used here": the file is missing (< 5.14),
 # or the write is refused (EINVAL seen under some managers, EOPNOTSUPP for threaded cgroups).
@@ -315,12 +315,7 @@ class Cgroup:
 
     def get_xattr(self, key: str) -> bytes | None:
         """The value of xattr `key`, or None when the cgroup or the attribute is absent."""
-        try:
-            return get_xattr(self.path, key)
-        except OSError as err:
-            if err.errno in (errno.ENODATA, errno.ENOENT):
-                return None
-            raise
+        return get_xattr(self.path, key)
 
     def set_xattr(self, key: str, value: bytes, create: bool = False) -> None:
         """Set xattr `key`; with `create`, only if it does not exist yet (FileExistsError otherwise:
