@@ -182,7 +182,7 @@ class Cgroup:
         """Freeze or thaw the subtree (cgroup.freeze, 5.2+). Completion shows as `frozen 1` in events."""
         self.write(FREEZE_FILE, "1" if frozen else "0")
 
-    def wait_events(self, done, timeout: float) -> bool:
+    def wait_events(self, done, timeout: float, settled: bytes | None = None) -> bool:
         """Wait until `done(events)` is true or `timeout` seconds pass; True if it became true.
 
         The kernel rate-limits cgroup.events notifications (cgroup_file_notify() in
@@ -192,7 +192,9 @@ class Cgroup:
         reads (sched_yield(2): the dying processes need it to exit; a SIGKILLed small turn is empty
         after ~0.1 ms, long before any poll timeout would fire), then at every POLLPRI wake-up and
         at least every 1 ms up to 50 ms, then every 20 ms, so a long grace period costs few
-        wake-ups. A vanished cgroup reads as {} and `done` decides what that means.
+        wake-ups. A vanished cgroup reads as {} and `done` decides what that means. `settled`: bytes
+        whose presence in the file is what `done` asks, so nothing is parsed (the spin over a dying
+        turn competes with its processes for the CPU).
         """
         started = time.monotonic()
         deadline = started + timeout
@@ -207,12 +209,15 @@ class Cgroup:
             poller = None
             while True:
                 try:
-                    text = os.pread(fd, 4096, 0).decode("ascii", "replace")
+                    raw = os.pread(fd, 4096, 0)
                 except OSError as err:
                     if err.errno == errno.ENODEV:  # cgroup removed under us
                         return bool(done({}))
                     raise translate("read", path, err) from err
-                if done(parsers.parse_cgroup_events(text)):
+                if settled is not None:
+                    if settled in raw:
+                        return True
+                elif done(parsers.parse_cgroup_events(raw.decode("ascii", "replace"))):
                     return True
                 now = time.monotonic()
                 if now >= deadline:
@@ -231,7 +236,7 @@ class Cgroup:
 
     def wait_unpopulated(self, timeout: float) -> bool:
         """Wait for `populated 0` (or the cgroup gone); True if it got there within `timeout`."""
-        return self.wait_events(lambda ev: ev.get("populated", 0) == 0, timeout)
+        return self.wait_events(lambda ev: ev.get("populated", 0) == 0, timeout, settled=b"populated 0\n")
 
     # --- creation and removal ---------------------------------------------------------------------
 
