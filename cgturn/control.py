@@ -123,7 +123,7 @@ class TurnControl:
         now = time.time()
         won, rec = self.backend.transition(task_key, turn_key, {RUNNING}, COMPLETED,
                                            {"ended_at": now, "expires_at": leases.expires_at(now, keep_for)},
-                                           removing=True)
+                                           stamp_later=True)
         usage = None
         if won and rec is not None:
             self.events.emit("turn_ended", TurnEnded(rec.task_id, rec.turn_id, task_key, turn_key, COMPLETED))
@@ -170,7 +170,9 @@ class TurnControl:
         updates = {"reason": reason, "ended_at": time.time(), "killer_pid": os.getpid(),
                    "killer_start": procfs.own_start_time()}
         try:
-            won, rec = self.backend.transition(task_key, turn_key, allowed, ABANDONED, updates, when=when)
+            # The kill follows at once: the listings' stamp waits for its first signal (stamp_later).
+            won, rec = self.backend.transition(task_key, turn_key, allowed, ABANDONED, updates, when=when,
+                                               stamp_later=True)
         except _UNMARKABLE as busy:
             return self._abandon_unmarked(task_key, turn_key, reason, grace, allowed, updates, when, busy)
         if not won or rec is None:

@@ -253,3 +253,26 @@ def test_the_callers_ancestry_is_pinned_by_pidfds_and_reused_while_it_holds():
     assert os.getppid() in first and 1 in first
     assert procfs.ancestors(me) == first and ancestry._PINNED is pinned  # no walk: the same reading
     assert pinned.fds and all(os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]" for fd in pinned.fds)
+
+
+def test_an_abandons_mark_is_stamped_right_after_its_first_signal(mgr, monkeypatch):
+    """The kill follows the mark at once, so the task's stamp waits for it (what a listing made in
+    between sees is the turn as it was just before); it is paid whether the turn goes or stays."""
+    from cgturn.kernel.cgroupfs import Cgroup as KernelCgroup
+
+    mgr.begin_turn("marks", "other")  # the task stays
+    seen_at_kill: list[bytes] = []
+    real_kill = KernelCgroup.kill
+    monkeypatch.setattr(KernelCgroup, "kill", lambda self: seen_at_kill.append(_generation(mgr, "marks"))
+                        or real_kill(self))
+    stamps = []
+    for grace in (0.0, 0.2):  # SIGKILL at once; SIGTERM first (a sleep dies of it: no cgroup.kill)
+        turn = mgr.begin_turn("marks", f"grace-{grace}")
+        proc = turn.spawn(["sleep", "300"])
+        assert wait_until(lambda: turn.pids() == [proc.pid])
+        stamps.append(_generation(mgr, "marks"))
+        result = turn.abandon("test", grace=grace)
+        proc.wait(timeout=30)
+        assert result.killed == [proc.pid] and _generation(mgr, "marks") != stamps[-1]
+    assert seen_at_kill == [stamps[0]]  # the mark was written, its stamp not yet: the kill came first
+    assert mgr.backend._unstamped == set()  # nothing owed is left behind

@@ -84,13 +84,15 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def transition(self, task_key: str, turn_key: str, allowed_from: Iterable[str], to_state: str,
-                   updates: dict, when=None, removing: bool = False) -> tuple[bool, TurnRecord | None]:
+                   updates: dict, when=None, stamp_later: bool = False) -> tuple[bool, TurnRecord | None]:
         """Atomically move a turn from one of `allowed_from` to `to_state`, across processes.
 
         `updates` are further TurnRecord fields set in the same step (ended_at, reason, killer_*);
-        `when(record)`, if given, must also hold under the lock (a compare-and-set). `removing`: the
-        caller calls `remove` next (a completion), so whatever tells other processes' listings of the
-        change may wait for it, and is told only if the turn stays.
+        `when(record)`, if given, must also hold under the lock (a compare-and-set). `stamp_later`:
+        the caller's next call on the turn follows at once and is `remove` (a completion) or
+        `signal_members`/`kill_members` (an abandon), so whatever tells other processes' listings of
+        the change may wait for it: until the first signal is sent, or, at a removal, only if the
+        turn stays.
 
         Returns (won, record after the call). `won` is False when the turn was in another state
         (the first transition wins) or does not exist (record None).

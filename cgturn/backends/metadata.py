@@ -202,10 +202,11 @@ class MetadataStore:
                 before. The task is not stamped: a lister's cache is keyed by the turn directory's
                 inode too, so it holds nothing for this one. (A task without any stamp is never
                 cached, which is why a new task directory's first record stamps it.)
-            stamp: False: the caller removes the turn next and calls `stamp` only if it stays (a
-                completion): a removed turn's directory is gone from every later listing, and a
-                listing made in between shows it as it was before this write, as one made just
-                before it would. This store's own parsed records of the task are dropped now.
+            stamp: False: the caller calls `stamp` itself, right after what follows at once (a
+                kill's first signal), or only if the turn stays (a removal: a removed turn's
+                directory is gone from every later listing). A listing made in between shows the
+                turn as it was before this write, as one made just before it would. This store's
+                own parsed records of the task are dropped now.
         """
         fields = record.to_json()
         raw = _ENCODER.encode({FORMAT_KEY: RECORD_FORMAT, **fields}).encode("utf-8", "surrogateescape")

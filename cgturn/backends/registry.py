@@ -156,8 +156,8 @@ class RegistryBackend(Backend):
         return [rec for rec in map(self.db.to_record, rows) if not self._unforgotten.hides(rec)]
 
     def transition(self, task_key, turn_key, allowed_from: Iterable[str], to_state, updates, when=None,
-                   removing: bool = False):
-        # `removing` changes nothing here: a listing reads the database, which this write updates.
+                   stamp_later: bool = False):
+        # `stamp_later` changes nothing here: a listing reads the database, which this write updates.
         self._unforgotten.retry()
         with self.db.write() as conn:
             rec = self.db.load(conn, task_key, turn_key)
