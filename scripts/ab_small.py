@@ -55,20 +55,24 @@ def main() -> int:
     ap.add_argument("before")
     ap.add_argument("after")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--per-turn", type=int, default=500, help="rounds of each per-turn bench run")
+    ap.add_argument("--per-turn", type=int, default=500, help="rounds of each per-turn bench run (0: none)")
     ap.add_argument("--sizes", default="1,10", help="abandon sizes")
-    ap.add_argument("--abandon-rounds", type=int, default=10, help="rounds of each abandon bench run")
+    ap.add_argument("--abandon-rounds", type=int, default=10, help="rounds of each abandon bench run (0: none)")
     args = ap.parse_args()
     got: dict[str, dict[str, list[tuple[float, float]]]] = {"before": {}, "after": {}}
+    rows: dict[str, tuple[float, float]]
     loads = []
     for i in range(args.rounds):
         for which in (("before", "after") if i % 2 == 0 else ("after", "before")):
             tree = getattr(args, which)
-            loads.append(os.getloadavg()[0])
-            rows = per_turn(bench(tree, "--per-turn-only", "--per-turn", str(args.per_turn)))
-            loads.append(os.getloadavg()[0])
-            rows.update(abandon(bench(tree, "--abandon-only", "--sizes", args.sizes,
-                                      "--rounds", str(args.abandon_rounds))))
+            rows = {}
+            if args.per_turn:
+                loads.append(os.getloadavg()[0])
+                rows.update(per_turn(bench(tree, "--per-turn-only", "--per-turn", str(args.per_turn))))
+            if args.abandon_rounds:
+                loads.append(os.getloadavg()[0])
+                rows.update(abandon(bench(tree, "--abandon-only", "--sizes", args.sizes,
+                                          "--rounds", str(args.abandon_rounds))))
             for name, value in rows.items():
                 got[which].setdefault(name, []).append(value)
             print(f"  round {i + 1} {which} done (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)

@@ -2,7 +2,7 @@
 """What one small-turn operation costs in steps that do not move with load: Python-level and C-level
 calls (sys.setprofile; the spin-wait's inside Cgroup.wait_events left out) and the calling thread's
 system calls (strace), per begin_turn + complete (sentinel off and on) and per abandon of a 1- and a
-10-process turn (grace=0).
+10-process turn (grace=0); and how often the sentinel woke up for the begin + complete it was sent.
 
     python3 scripts/count_small.py [--ops 20] [--no-strace]
     CGTURN_TREE=/tmp/before python3 scripts/count_small.py   # count another checkout's cgturn
@@ -66,6 +66,32 @@ def run_ops(ops: int, measure) -> None:
     finally:
         destroy(root)
         shutil.rmtree(state, ignore_errors=True)
+
+
+def sentinel_wake_ups(turns: int) -> float:
+    """The sentinel's wake-ups (voluntary context switches: one per sleep it wakes from) per begin +
+    complete, `turns` of them back to back, nothing else measured meanwhile."""
+    root, state = bench_root(), tempfile.mkdtemp()
+    os.mkdir(root)
+    try:
+        with TurnManager(root=root, backend="cgroup2", state_dir=state, sentinel=True) as mgr:
+            pid = Supervisor.start_sentinel(mgr)
+            for _ in range(WARM_UP):
+                mgr.begin_turn("count").complete()
+            before = _voluntary_switches(pid)
+            for _ in range(turns):
+                mgr.begin_turn("count").complete()
+            woken = _voluntary_switches(pid) - before
+            mgr.end_task("count")
+    finally:
+        destroy(root)
+        shutil.rmtree(state, ignore_errors=True)
+    return woken / turns
+
+
+def _voluntary_switches(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches:"))
 
 
 def count_calls(ops: int) -> dict[str, tuple[float, float]]:
@@ -178,6 +204,9 @@ def main() -> int:
         py, c = calls[name]
         sc = "| n/a | | |" if syscalls is None else "| {:.1f} | {:.1f} | {:.1f} |".format(*syscalls[name])
         print(f"| {name} | {py:.1f} | {c:.1f} {sc}")
+    print(f"\nThe sentinel's wake-ups (its voluntary context switches) per begin + complete, 2,000 back to "
+          f"back: {sentinel_wake_ups(2000):.3f} (two messages a turn; under load a sleeping sentinel may be "
+          f"woken once for several anyway)")
     return 0
 
 
