@@ -43,6 +43,7 @@ MAX_BYTES_ENV = "CGTURN_AUDIT_MAX_BYTES"
 CLAIM_SUFFIX = ".rotating"   # the rotating writer's claim, beside the log
 CLAIM_STALE = 10.0           # seconds after which a claim is a dead writer's
 DEFAULT_MAX_BYTES = 64 << 20
+_ENCODER = json.JSONEncoder(ensure_ascii=False)  # json.dumps with a keyword builds one per call
 
 
 def audit_path(state_dir: str) -> str:
@@ -113,21 +114,22 @@ def record_action(state_dir: str, *, action: str, task: str, turn: str, reason: 
 
 
 def _append(state_dir: str, entry: dict) -> None:
-    line = json.dumps(entry, ensure_ascii=False)
-    log.info(line, extra=turn_fields(entry["task"], entry["turn"], entry["reason"], action=entry.get("action", KILL),
-                                     pids=entry.get("pids", []), record=entry))
+    line = _ENCODER.encode(entry)
+    if log.isEnabledFor(logging.INFO):  # its `extra` is built only for a logger that takes the record
+        log.info(line, extra=turn_fields(entry["task"], entry["turn"], entry["reason"],
+                                         action=entry.get("action", KILL), pids=entry.get("pids", []), record=entry))
     path = audit_path(state_dir)
     flags = os.O_RDWR | os.O_APPEND | os.O_CREAT
     try:
         try:
-            fd = statefiles.open_regular(path, flags)
+            fd, st = statefiles.open_regular_stat(path, flags)
         except FileNotFoundError:  # the state directory's first record: made now, not looked for each time
             os.makedirs(state_dir, exist_ok=True)
-            fd = statefiles.open_regular(path, flags)
+            fd, st = statefiles.open_regular_stat(path, flags)
         try:
             # backslashreplace turns a lone surrogate into the JSON escape \udcff: still one valid line.
             data = (line + "\n").encode("utf-8", "backslashreplace")
-            st = os.fstat(fd)  # one look serves both the line check and the rotation's
+            # The fstat that checked the file serves the line check and the rotation's size and inode.
             if not _ends_a_line(fd, st.st_size):
                 data = b"\n" + data  # a short write (a full disk) left half a line: never glue onto it
             os.write(fd, data)

@@ -131,7 +131,8 @@ class TurnControl:
         turn used is read once it is completed, before any removal (else usage is None)."""
         now = time.time()
         won, rec = self.backend.transition(task_key, turn_key, {RUNNING}, COMPLETED,
-                                           {"ended_at": now, "expires_at": leases.expires_at(now, keep_for)})
+                                           {"ended_at": now, "expires_at": leases.expires_at(now, keep_for)},
+                                           stamp_later=True)
         usage = None
         if won and rec is not None:
             self.events.emit("turn_ended", TurnEnded(rec.task_id, rec.turn_id, task_key, turn_key, COMPLETED))
@@ -139,14 +140,14 @@ class TurnControl:
                 self.events.emit("lease_set", rec)
             if figures:
                 usage = self.turn_usage_quietly(rec)
-            # Nothing left: audit its limit counters (they go with its cgroup; `rec` is the record
-            # just written under the lock), then remove it. The rmdir is the atomic check: a spawn
-            # that slipped in meanwhile (it finds the turn completed and kills its shim) is waited
-            # for, and whatever stays keeps the turn, completed.
-            if self.backend.wait_empty(rec, 0):
-                self.governance.audit_limits_quietly(task_key, turn_key, usage, rec)
-                if self.backend.remove(rec):
-                    self.backend.remove_task(task_key)
+            # Audit its limit counters while they are there (they go with its cgroup; `rec` is the
+            # record just written under the lock), then remove it if nothing is left. The removal is
+            # the atomic check, and says at once when something is: survivors, or a spawn that
+            # slipped in meanwhile (it finds the turn completed and kills its shim); either keeps the
+            # turn, completed, for its lease, `turns()` or `reap` to remove once it has emptied.
+            self.governance.audit_limits_quietly(task_key, turn_key, usage, rec)
+            if self.backend.remove(rec):
+                self.backend.remove_task(task_key)
         return won, rec, usage
 
     def abandon_turn(self, task_key: str, turn_key: str, reason: str, grace: float, force: bool = False,
@@ -178,7 +179,9 @@ class TurnControl:
         updates = {"reason": reason, "ended_at": time.time(), "killer_pid": os.getpid(),
                    "killer_start": procfs.own_start_time()}
         try:
-            won, rec = self.backend.transition(task_key, turn_key, allowed, ABANDONED, updates, when=when)
+            # The kill follows at once: the listings' stamp waits for its first signal (stamp_later).
+            won, rec = self.backend.transition(task_key, turn_key, allowed, ABANDONED, updates, when=when,
+                                               stamp_later=True)
         except _UNMARKABLE as busy:
             return self._abandon_unmarked(task_key, turn_key, reason, grace, allowed, updates, when, busy)
         if not won or rec is None:

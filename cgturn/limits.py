@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import json
 import math
+import operator
 import os
 import re
 from dataclasses import dataclass
@@ -172,7 +173,7 @@ class Limits:
 
     def is_empty(self) -> bool:
         """True when nothing is set (every field None)."""
-        return all(getattr(self, name) is None for name in _FIELDS)
+        return _field_values(self) == _NOTHING_SET  # one C call: asked three times per begin_turn
 
     def merged(self, changes: "Limits") -> "Limits":
         """These limits with every field `changes` sets (None leaves a field unchanged)."""
@@ -198,6 +199,8 @@ class Limits:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Limits))
+_field_values = operator.attrgetter(*_FIELDS)
+_NOTHING_SET = (None,) * len(_FIELDS)
 
 
 def stored_limits(text: str | None) -> Limits:
@@ -279,7 +282,12 @@ class Usage:
 
     def to_json(self) -> dict[str, Any]:
         """Every figure by field name: the `usage` object of `cgturn limits --json` and the audit log."""
-        return dataclasses.asdict(self)
+        # Numbers and None only: no deep copy (dataclasses.asdict's), which an abandon's audit paid.
+        return dict(zip(_USAGE_FIELDS, _usage_values(self)))
+
+
+_USAGE_FIELDS = tuple(f.name for f in dataclasses.fields(Usage))
+_usage_values = operator.attrgetter(*_USAGE_FIELDS)
 
 
 NO_LIMITS = Limits()  # frozen: one shared empty value for the hot paths

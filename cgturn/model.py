@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import os
 import time
 from dataclasses import dataclass, field
@@ -76,8 +77,8 @@ class TurnRecord:
     def to_json(self) -> dict[str, Any]:
         """The stored fields by name (what the backends write; `problem` is never stored)."""
         # Every stored field is a str, a number, a bool or None: no deep copy needed (asdict's cost a
-        # twentieth of a turn's churn).
-        return {name: getattr(self, name) for name in STORED_FIELDS}
+        # twentieth of a turn's churn); one attrgetter call reads them all (twice per small turn).
+        return dict(zip(STORED_FIELDS, _stored_values(self)))
 
     def advance(self, allowed_from: Iterable[str], to_state: str, updates: dict[str, Any]) -> bool:
         """Apply a state change in place if the current state allows it (the caller holds the lock
@@ -99,6 +100,7 @@ class TurnRecord:
 
 # The fields a record stores (`problem` is derived when reading, never stored).
 STORED_FIELDS = tuple(f.name for f in dataclasses.fields(TurnRecord) if f.name != "problem")
+_stored_values = operator.attrgetter(*STORED_FIELDS)
 _RECORD_FIELDS = frozenset(STORED_FIELDS)
 
 

@@ -9,8 +9,9 @@ its loop is cgturn.sentinel_server and the messages both ends speak are cgturn.s
 Touches are rate-limited in the owner (one per TOUCH_INTERVAL per turn), so a stopped owner simply
 reports none and its turn dies on time; the sentinel adds a slack to every due time so the owner's
 own watchdog, which knows the exact activity, normally acts first. Each message is one send(2) on a
-non-blocking socket, and the sentinel runs under SCHED_BATCH, so receiving it does not preempt the
-owner (docs/performance.md).
+non-blocking socket; the sentinel runs under SCHED_BATCH, so receiving it does not preempt the
+owner, and reads messages that come back to back in windows, so most sends wake no one
+(sentinel_server.BATCH_WINDOW, docs/performance.md).
 
 Start-up handshake: the sentinel's first datagram to the owner is `ready` (sent once it can track
 turns: its TurnManager is up and the owner's pidfd is open) or `error`; `attach` waits for it

@@ -108,10 +108,11 @@ def serve(fd: int, protocol_version: int | None, owner_pid: int, owner_start: in
 
 def _batch_policy() -> None:
     """Run the sentinel under SCHED_BATCH (sched(7)) when it runs under SCHED_OTHER: the same CPU
-    share, but its wake-ups (one per message: a track at every begin_turn, an untrack at every
-    completion) no longer preempt the owner that sent them, which measured as most of the sentinel's
-    cost per turn on a 2-CPU host. Its own due times still wake it; it runs at the next scheduling
-    point, well inside the slack. A real-time policy inherited from the owner is kept."""
+    share, but its wake-ups (by a track at a begin_turn or an untrack at a completion while it is
+    idle: sentinel_server.BATCH_WINDOW) no longer preempt the owner that sent them, which measured as
+    most of the sentinel's cost per turn on a 2-CPU host. Its own due times still wake it; it runs
+    at the next scheduling point, well inside the slack. A real-time policy inherited from the owner
+    is kept."""
     try:
         if os.sched_getscheduler(0) == os.SCHED_OTHER:
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))

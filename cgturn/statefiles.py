@@ -24,6 +24,12 @@ def open_regular(path: str, flags: int, mode: int = 0o644) -> int:
         NotRegularFile: `path` is a symlink or not a regular file.
         OSError: as os.open (ENXIO: a FIFO opened for writing with no reader).
     """
+    return open_regular_stat(path, flags, mode)[0]
+
+
+def open_regular_stat(path: str, flags: int, mode: int = 0o644) -> tuple[int, os.stat_result]:
+    """`open_regular`, with the fstat that checked the file (an appender's size and inode, without a
+    second fstat). Raises as open_regular."""
     try:
         fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     except OSError as err:
@@ -40,4 +46,4 @@ def open_regular(path: str, flags: int, mode: int = 0o644) -> int:
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, st

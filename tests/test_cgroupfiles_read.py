@@ -53,3 +53,18 @@ def test_read_text_is_the_whole_file(test_cgroup, count):
         with open(os.path.join(test_cgroup, "cgroup.kill"), "w") as f:
             f.write("1")
         shim.wait(timeout=60)
+
+
+def test_an_xattr_read_says_none_where_nothing_is_set_and_the_value_where_it_is(test_cgroup):
+    """`Cgroup.get_xattr` (libc.getxattr underneath: no exception made for an absent value,
+    what most reads of a task's or the root's limits find) against os.getxattr on the same directory."""
+    from cgturn.kernel.cgroupfs import Cgroup
+
+    cg = Cgroup(test_cgroup)
+    assert cg.get_xattr("user.cgturn.test") is None  # ENODATA
+    assert Cgroup(os.path.join(test_cgroup, "gone")).get_xattr("user.cgturn.test") is None  # ENOENT
+    for value in (b"small", b"x" * (cgroupfiles.XATTR_READ_SIZE + 1)):  # one read; ERANGE, then os's
+        os.setxattr(test_cgroup, "user.cgturn.test", value)
+        assert cg.get_xattr("user.cgturn.test") == value == os.getxattr(test_cgroup, "user.cgturn.test")
+    with pytest.raises(OSError):  # any other errno still raises: a name the kernel refuses
+        cg.get_xattr("nonamespace.cgturn")

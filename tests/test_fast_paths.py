@@ -495,3 +495,54 @@ def test_the_help_width_is_shutils(monkeypatch):
     for columns in ("123", "", "junk", "-4"):
         monkeypatch.setenv("COLUMNS", columns)
         assert terminal_columns() == shutil.get_terminal_size().columns, columns
+
+
+# --- what a small turn's complete and abandon no longer do (issue "Performance II", item 1) ----------------
+
+def test_a_completion_reads_no_cgroup_events_its_rmdir_is_the_check(cgroup2_manager, monkeypatch):
+    from cgturn.kernel.cgroupfs import Cgroup
+
+    waits: list[str] = []
+    real = Cgroup.wait_events
+    monkeypatch.setattr(Cgroup, "wait_events", lambda self, *a, **kw: waits.append(self.path) or real(self, *a, **kw))
+    empty = cgroup2_manager.begin_turn("fast", "empty")
+    assert empty.complete() is True and waits == []
+    kept = cgroup2_manager.begin_turn("fast", "kept")
+    proc = kept.spawn(["sleep", "300"])
+    assert kept.complete() is True  # EBUSY: populated, read once after the rmdir, and kept at once
+    assert [i.turn for i in cgroup2_manager.turns("fast")] == ["kept"]
+    kept.abandon("test", grace=0, force=True)
+    proc.wait(timeout=BOUND)
+
+
+def test_the_wait_for_an_emptied_turn_tests_the_bytes_it_reads(cgroup2_manager, monkeypatch):
+    """The spin after a kill re-reads cgroup.events while the dying processes need the CPU: it looks
+    for `populated 0` in the bytes it read, without decoding and parsing them."""
+    from cgturn.kernel import parsers
+
+    turn = cgroup2_manager.begin_turn("fast", "spin")
+    proc = turn.spawn(["sleep", "300"])
+    assert wait_until(lambda: turn.pids() == [proc.pid])
+    parsed: list[str] = []
+    real = parsers.parse_cgroup_events
+    monkeypatch.setattr(parsers, "parse_cgroup_events", lambda text: parsed.append(text) or real(text))
+    result = turn.abandon("test", grace=0)
+    proc.wait(timeout=BOUND)
+    assert result.killed == [proc.pid] and parsed == []
+
+
+def test_an_audit_append_looks_at_the_log_once(tmp_path, monkeypatch):
+    """One fstat(2) serves the regular-file check, the half-line check and the rotation's size and
+    inode; a half line left by a short write is still never glued onto."""
+    from cgturn import audit
+
+    (tmp_path / audit.AUDIT_FILE).write_text('{"v": 1, "half": ')
+    looks: list[int] = []
+    real = os.fstat
+    monkeypatch.setattr(os, "fstat", lambda fd: looks.append(fd) or real(fd))
+    audit.record_kill(str(tmp_path), task="t", turn="u", reason="test", pids=[1234], signals=["SIGKILL"],
+                      duration_ms=0.5, backend="cgroup2")
+    monkeypatch.undo()
+    assert len(looks) == 1
+    lines = (tmp_path / audit.AUDIT_FILE).read_text().splitlines()
+    assert lines[0] == '{"v": 1, "half": ' and json.loads(lines[1])["pids"] == [1234]

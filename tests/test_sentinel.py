@@ -147,6 +147,97 @@ def test_sentinel_runs_under_sched_batch(manager):
     assert client.process.wait(timeout=10) == 0
 
 
+
+def _voluntary_switches(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches:"))
+
+
+def test_a_sentinel_that_has_read_is_woken_by_the_owners_close_not_by_each_datagram(manager, monkeypatch):
+    """The sentinel's loop on a real socketpair: once a wait has read messages, the next one asks the
+    channel for its end only (POLLRDHUP), so a datagram arriving meanwhile wakes no one (here the
+    window is an hour); the owner's close wakes it at once, and what came before the close is read."""
+    import socket
+    import threading
+
+    from cgturn import sentinel_server
+
+    monkeypatch.setattr(sentinel_server, "BATCH_WINDOW", 3600.0)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    me = os.getpid()
+    server = Sentinel(manager, theirs, me, start_time(me))
+    turn = manager.begin_turn("w", "t")
+    try:
+        ours.send(protocol.encode(protocol.track(turn.task_id, turn.turn_id, None, None, 0.0, turn.last_activity)))
+        server._wait_and_read(3600.0)  # a quiet channel: the first datagram wakes it
+        assert list(server.tracked) == [turn.names]
+        waiting = threading.Thread(target=server._wait_and_read, args=(3600.0,), daemon=True)
+        waiting.start()
+        ours.send(protocol.encode(protocol.untrack(*turn.names)))
+        waiting.join(0.5)
+        assert waiting.is_alive()  # the datagram woke no one
+        ours.close()
+        waiting.join(BOUND)
+        assert not waiting.is_alive() and server.sock is None  # the close did, and was read as EOF
+        assert server.tracked == {} and server.ended == {turn.names}  # after the datagram before it
+    finally:
+        ours.close()
+        os.close(server.owner_pidfd)
+        turn.abandon("test-done", grace=0)
+
+
+def test_back_to_back_turns_do_not_wake_the_sentinel_for_every_message(cgroup2_manager):
+    """A begin sends `track`, a completion `untrack`: each datagram used to wake a sleeping sentinel
+    (a voluntary context switch of its own per message, 800 here on a quiet host; under load it
+    reads several per wake-up anyway, and fewer show). Once a wake-up has read messages, it reads
+    what comes during the next BATCH_WINDOW in one go. A count, not a time: the bound holds unless
+    the host slows these turns to one wake-up window each."""
+    client = attach_sentinel(cgroup2_manager)
+    for _ in range(20):
+        cgroup2_manager.begin_turn("burst").complete()
+    turns = 400
+    before = _voluntary_switches(client.pid)
+    for _ in range(turns):
+        cgroup2_manager.begin_turn("burst").complete()
+    woken = _voluntary_switches(client.pid) - before
+    assert woken < turns / 2, f"{woken} wake-ups of the sentinel for {turns} turns ({2 * turns} messages)"
+
+
+LAST_TURN_OWNER = textwrap.dedent("""
+    import json, os, signal, sys
+    from cgturn import TurnManager
+    from cgturn.sentinel import attach
+    mgr = TurnManager(root=sys.argv[1], backend="cgroup2", state_dir=sys.argv[2], sentinel=True)
+    client = attach(mgr)
+    first = mgr.begin_turn("gw", "first")
+    proc = first.spawn(["sleep", "300"])
+    for _ in range(200):  # the sentinel now reads in windows: the last `track` is not read yet
+        mgr.begin_turn("burst").complete()
+    mgr.begin_turn("gw", "last")
+    print(json.dumps({"pid": proc.pid, "sentinel": client.pid}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_an_owner_killed_right_after_a_burst_of_turns_loses_every_running_turn(cgroup2_root, state_dir):
+    """What the sentinel is for holds while it reads in windows: the owner's death wakes it at once
+    (its pidfd), and it reads everything the owner sent, the `track` of the turn begun just before the
+    SIGKILL included, before it abandons the owner's running turns."""
+    p = subprocess.Popen([PY, "-c", LAST_TURN_OWNER, cgroup2_root, state_dir], stdout=subprocess.PIPE, text=True,
+                         env=cgturn_env())
+    info = json.loads(p.stdout.readline())
+    assert p.wait(timeout=BOUND) == -signal.SIGKILL
+    mgr = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, sentinel=False)
+    try:
+        assert wait_until(lambda: not alive(info["pid"]) and not alive(info["sentinel"]), timeout=BOUND)
+        assert mgr.turns("gw") == [] and mgr.turns("burst") == []  # both abandoned and removed
+        assert audit_reasons(state_dir, "first") == ["owner-died"]
+    finally:
+        for rec in mgr.backend.records():
+            mgr.end_task(rec.task_id)
+        mgr.close()
+
+
 # --- `cgturn run` on the supervisor ------------------------------------------------------------------
 
 def _cgturn_run(root, state_dir, *args):

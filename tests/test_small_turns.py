@@ -15,7 +15,7 @@ import pytest
 from conftest import PY, REPO, cgturn_env, turn_dir, wait_until
 from cgturn import TurnManager
 from cgturn.backends import cgroup2 as cgroup2_backend
-from cgturn.backends.metadata import XATTR_KEY, MetadataStore
+from cgturn.backends.metadata import GENERATION_KEY, XATTR_KEY, MetadataStore
 from cgturn.kernel import ancestry, procfs
 from cgturn.kernel.cgroupfs import Cgroup
 
@@ -130,6 +130,53 @@ def test_a_record_file_goes_with_the_xattr_write_that_supersedes_it(cgroup2_root
         mgr.close()
 
 
+# --- completion: the removal is the check ----------------------------------------------------------------
+
+def _generation(mgr, task: str) -> bytes:
+    return os.getxattr(task_path(mgr, task), GENERATION_KEY)
+
+
+def test_a_completion_that_removes_its_turn_leaves_the_task_stamp_alone(mgr, cgroup2_root, state_dir):
+    """The generation stamp tells other processes' listings that a record changed; a completion whose
+    rmdir removes the turn owes none (its directory is gone from every later listing), and one that
+    leaves survivors pays it, so a listing that kept the task's parsed records reads the new state."""
+    first = mgr.begin_turn("stamp", "1")  # a new task directory: its first record stamps it
+    stamped = _generation(mgr, "stamp")
+    assert first.complete() is True and not os.path.exists(turn_dir(mgr, first))
+    assert _generation(mgr, "stamp") == stamped
+
+    lister = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, sentinel=False)
+    try:
+        second = mgr.begin_turn("stamp", "2")
+        proc = second.spawn(["sleep", "300"])
+        assert [i.state for i in lister.turns("stamp")] == ["running"]  # parsed under the stamp read
+        assert second.complete() is True  # its sleep survives: the turn stays, completed
+        assert os.path.isdir(turn_dir(mgr, second)) and _generation(mgr, "stamp") != stamped
+        assert [(i.state, i.pids) for i in lister.turns("stamp")] == [("completed", [proc.pid])]
+        second.abandon("cleanup", grace=0, force=True)
+        proc.wait(timeout=30)
+    finally:
+        lister.close()
+
+
+def test_a_completion_that_cannot_remove_its_turn_stamps_the_task(mgr, monkeypatch):
+    """The stamp a completion left to the removal is paid whatever stops the rmdir: processes, or an
+    error (the turn stays, and listings must see it completed)."""
+    turn = mgr.begin_turn("stuck", "1")
+    mgr.begin_turn("stuck", "other")  # the task stays
+    stamped = _generation(mgr, "stuck")
+
+    def refused(self) -> bool:
+        raise PermissionError(13, "refused", self.path)
+
+    monkeypatch.setattr(Cgroup, "remove_if_empty", refused)
+    with pytest.raises(PermissionError):
+        turn.complete()
+    monkeypatch.undo()
+    assert _generation(mgr, "stuck") != stamped
+    assert turn.state == "completed" and os.path.isdir(turn_dir(mgr, turn))
+
+
 # --- members -----------------------------------------------------------------------------------------------
 
 def test_members_below_a_sub_cgroup_of_a_turn_are_listed_and_killed(mgr):
@@ -206,3 +253,26 @@ def test_the_callers_ancestry_is_pinned_by_pidfds_and_reused_while_it_holds():
     assert os.getppid() in first and 1 in first
     assert procfs.ancestors(me) == first and ancestry._PINNED is pinned  # no walk: the same reading
     assert pinned.fds and all(os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]" for fd in pinned.fds)
+
+
+def test_an_abandons_mark_is_stamped_right_after_its_first_signal(mgr, monkeypatch):
+    """The kill follows the mark at once, so the task's stamp waits for it (what a listing made in
+    between sees is the turn as it was just before); it is paid whether the turn goes or stays."""
+    from cgturn.kernel.cgroupfs import Cgroup as KernelCgroup
+
+    mgr.begin_turn("marks", "other")  # the task stays
+    seen_at_kill: list[bytes] = []
+    real_kill = KernelCgroup.kill
+    monkeypatch.setattr(KernelCgroup, "kill", lambda self: seen_at_kill.append(_generation(mgr, "marks"))
+                        or real_kill(self))
+    stamps = []
+    for grace in (0.0, 0.2):  # SIGKILL at once; SIGTERM first (a sleep dies of it: no cgroup.kill)
+        turn = mgr.begin_turn("marks", f"grace-{grace}")
+        proc = turn.spawn(["sleep", "300"])
+        assert wait_until(lambda: turn.pids() == [proc.pid])
+        stamps.append(_generation(mgr, "marks"))
+        result = turn.abandon("test", grace=grace)
+        proc.wait(timeout=30)
+        assert result.killed == [proc.pid] and _generation(mgr, "marks") != stamps[-1]
+    assert seen_at_kill == [stamps[0]]  # the mark was written, its stamp not yet: the kill came first
+    assert mgr.backend._unstamped == set()  # nothing owed is left behind

@@ -84,11 +84,15 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def transition(self, task_key: str, turn_key: str, allowed_from: Iterable[str], to_state: str,
-                   updates: dict, when=None) -> tuple[bool, TurnRecord | None]:
+                   updates: dict, when=None, stamp_later: bool = False) -> tuple[bool, TurnRecord | None]:
         """Atomically move a turn from one of `allowed_from` to `to_state`, across processes.
 
         `updates` are further TurnRecord fields set in the same step (ended_at, reason, killer_*);
-        `when(record)`, if given, must also hold under the lock (a compare-and-set).
+        `when(record)`, if given, must also hold under the lock (a compare-and-set). `stamp_later`:
+        the caller's next call on the turn follows at once and is `remove` (a completion) or
+        `signal_members`/`kill_members` (an abandon), so whatever tells other processes' listings of
+        the change may wait for it: until the first signal is sent, or, at a removal, only if the
+        turn stays.
 
         Returns (won, record after the call). `won` is False when the turn was in another state
         (the first transition wins) or does not exist (record None).
@@ -162,7 +166,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def remove(self, record: TurnRecord) -> bool:
-        """Forget an empty turn (rmdir its cgroup / drop its rows). False if it still has processes."""
+        """Forget an empty turn (rmdir its cgroup / drop its rows). False, at once, while it still has
+        processes (what a completion with survivors finds: no wait for them)."""
 
     @abc.abstractmethod
     def remove_task(self, task_key: str, force: bool = False) -> bool:

@@ -93,6 +93,8 @@ class Cgroup2Backend(Backend):
         self._kept_lock = threading.Lock()
         # Tasks where a v1 budget was found after a turn's record: their turns read budgets up front.
         self._budgeted_tasks: set[str] = set()
+        # Turn directories whose last record write left its task's generation stamp for later.
+        self._unstamped: set[str] = set()
 
     @property
     def gates(self) -> "SpawnGates":
@@ -267,7 +269,8 @@ class Cgroup2Backend(Backend):
                     out.append(rec)
         return out
 
-    def transition(self, task_key, turn_key, allowed_from: Iterable[str], to_state, updates, when=None):
+    def transition(self, task_key, turn_key, allowed_from: Iterable[str], to_state, updates, when=None,
+                   stamp_later: bool = False):
         cg = self.turn_cgroup(task_key, turn_key)
         # Bounded (LockTimeout, nothing changed): a spawner stopped while it holds the turn's shared
         # lock (spawn_paths) must not stop an abandon, least of all the sentinel's, which exists for
@@ -278,7 +281,12 @@ class Cgroup2Backend(Backend):
             rec = self.meta.load(cg)
             if rec is None or (when is not None and not when(rec)) or not rec.advance(allowed_from, to_state, updates):
                 return False, rec
-            self.meta.save(cg, rec)
+            # `stamp_later`: the task's generation stamp (metadata.py) is owed to the next signal or
+            # kill, or to `remove`, which pays it only if the turn stays (a listing finds a removed
+            # turn's directory gone); a listing in between sees the turn as it was just before.
+            self.meta.save(cg, rec, stamp=not stamp_later)
+            if stamp_later:
+                self._unstamped.add(cg.path)
         if to_state != RUNNING and self.isolation.holds(task_key, turn_key):
             self.isolation.release_ended()
         return True, rec
@@ -372,13 +380,30 @@ class Cgroup2Backend(Backend):
 
     def remove(self, record) -> bool:
         cg = self._cg(record)
-        if not cg.remove_tree(timeout=2.0):
+        try:
+            # One rmdir, the atomic check, removes an emptied leaf (the common case). On EBUSY a turn
+            # with processes stays at once; one without has sub-cgroups, or the kernel has not yet
+            # finished with the processes that just left it (populated is updated asynchronously):
+            # remove_tree walks it and retries with a bounded backoff.
+            removed = cg.remove_if_empty() or (not cg.populated() and cg.remove_tree(timeout=2.0))
+        except BaseException:
+            self._pay_stamp(cg)
+            raise
+        if not removed:
+            self._pay_stamp(cg)
             return False
+        self._unstamped.discard(cg.path)
         self.meta.forget(cg)
         if record.v1_dirs:
             self.layout.remove_v1_dirs(record.task_key, record.turn_key)
         self._keep_task(record)
         return True
+
+    def _pay_stamp(self, cg: Cgroup) -> None:
+        """Stamp the task of a turn whose `transition(stamp_later=True)` left it (see there)."""
+        if cg.path in self._unstamped:
+            self._unstamped.discard(cg.path)
+            self.meta.stamp(cg)
 
     def task_keys(self) -> list[str]:
         return [cg.name for cg in self.root.children()]
@@ -458,10 +483,18 @@ class Cgroup2Backend(Backend):
     # --- killing: the killer's, on the turn's cgroup ---------------------------------------------------
 
     def signal_members(self, record, sig) -> list[int]:
-        return self.killer.signal(self._cg(record), sig, spare_inits=record.sealed)
+        cg = self._cg(record)
+        try:
+            return self.killer.signal(cg, sig, spare_inits=record.sealed)
+        finally:
+            self._pay_stamp(cg)  # an abandon's mark (stamp_later): listings learn of it now
 
     def kill_members(self, record) -> list[int]:
-        return self.killer.kill(self._cg(record))
+        cg = self._cg(record)
+        try:
+            return self.killer.kill(cg)
+        finally:
+            self._pay_stamp(cg)
 
     def freeze_members(self, record, frozen: bool) -> list[int]:
         try:

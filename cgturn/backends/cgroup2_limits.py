@@ -206,6 +206,8 @@ class Layout:
 
     def uses_v1(self, limits: Limits) -> bool:
         """True if setting `limits` needs v1 directories."""
+        if limits is NO_LIMITS:  # what an absent budget reads as: twice per begin_turn
+            return False
         places = self.places()
         return any(places[c].version == V1 for c in controllers.needed_controllers(limits) if c in places)
 

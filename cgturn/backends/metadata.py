@@ -175,6 +175,11 @@ class MetadataStore:
         except OSError:
             return None
 
+    def stamp(self, cg: Cgroup) -> None:
+        """Give the task directory above `cg` the fresh generation token a `save(stamp=False)` left out."""
+        if self.use_xattrs:
+            self._bump_generation(cg)
+
     def _bump_generation(self, cg: Cgroup) -> None:
         """Give the task directory above `cg` a fresh token, after a record write. Should that
         fail, remove the token so no reader can trust what it parsed before."""
@@ -189,7 +194,7 @@ class MetadataStore:
             log.warning("could not stamp %s after a record write (%s); listings re-read its records",
                         task.path, os.strerror(err.errno or 0))
 
-    def save(self, cg: Cgroup, record: TurnRecord, new: bool = False) -> None:
+    def save(self, cg: Cgroup, record: TurnRecord, new: bool = False, stamp: bool = True) -> None:
         """Store `record` on `cg`: as its xattr, else (refused for this write) as a state-dir file.
 
         Args:
@@ -197,6 +202,11 @@ class MetadataStore:
                 before. The task is not stamped: a lister's cache is keyed by the turn directory's
                 inode too, so it holds nothing for this one. (A task without any stamp is never
                 cached, which is why a new task directory's first record stamps it.)
+            stamp: False: the caller calls `stamp` itself, right after what follows at once (a
+                kill's first signal), or only if the turn stays (a removal: a removed turn's
+                directory is gone from every later listing). A listing made in between shows the
+                turn as it was before this write, as one made just before it would. This store's
+                own parsed records of the task are dropped now.
         """
         fields = record.to_json()
         raw = _ENCODER.encode({FORMAT_KEY: RECORD_FORMAT, **fields}).encode("utf-8", "surrogateescape")
@@ -205,7 +215,9 @@ class MetadataStore:
                 self._written.pop(cg.path, None)
                 cg.set_xattr(XATTR_KEY, raw)
                 self._remember(cg.path, raw, record, fields)
-                if not new:
+                if not stamp:
+                    self._parsed.pop(os.path.dirname(cg.path), None)
+                elif not new:
                     self._bump_generation(cg)
                 if cg.path in self._filed:
                     # Read from a file under this same lock: the xattr now says more, the file goes

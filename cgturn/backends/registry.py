@@ -155,7 +155,9 @@ class RegistryBackend(Backend):
                 else self.db.read(sql + " ORDER BY started_at"))
         return [rec for rec in map(self.db.to_record, rows) if not self._unforgotten.hides(rec)]
 
-    def transition(self, task_key, turn_key, allowed_from: Iterable[str], to_state, updates, when=None):
+    def transition(self, task_key, turn_key, allowed_from: Iterable[str], to_state, updates, when=None,
+                   stamp_later: bool = False):
+        # `stamp_later` changes nothing here: a listing reads the database, which this write updates.
         self._unforgotten.retry()
         with self.db.write() as conn:
             rec = self.db.load(conn, task_key, turn_key)

@@ -83,10 +83,11 @@ def read_procs(path: str, dir_fd: int | None = None) -> list[int]:
 XATTR_READ_SIZE = 4096
 
 
-def get_xattr(path: str, key: str) -> bytes:
-    """getxattr(2) with one XATTR_READ_SIZE buffer; larger values take os.getxattr's slow path.
+def get_xattr(path: str, key: str) -> bytes | None:
+    """getxattr(2) with one XATTR_READ_SIZE buffer (larger values take os.getxattr's slow path); None
+    when `path` or the attribute is absent.
 
-    Raises OSError like os.getxattr (ENODATA when the attribute is absent).
+    Raises OSError for any other errno, as os.getxattr would.
     """
     try:
         return libc.getxattr(path, key, XATTR_READ_SIZE)

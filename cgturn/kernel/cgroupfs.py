@@ -15,8 +15,8 @@ from ..errors import translate
 from . import dirlock, parsers
 from .cgroupfiles import (  # noqa: F401 - re-exported: the file layer's one import point
     CGROUP2_SUPER_MAGIC, CONTROLLERS_FILE, CPU_STAT_FILE, EVENTS_FILE, FREEZE_FILE, KILL_FILE, MEMORY_CURRENT_FILE,
-    PROCS_FILE, STAT_FILE, THREADS_FILE, XATTR_READ_SIZE, child_entries, get_xattr, is_cgroup2, read_head, read_procs,
-    read_text, walk_tree)
+    PROCS_FILE, STAT_FILE, THREADS_FILE, XATTR_READ_SIZE, child_entries, get_xattr, is_cgroup2,
+    read_head, read_procs, read_text, walk_tree)
 
 # errnos with which the kernel says "cgroup.kill cannot be used here": the file is missing (< 5.14),
 # or the write is refused (EINVAL seen under some managers, EOPNOTSUPP for threaded cgroups).
@@ -182,7 +182,7 @@ class Cgroup:
         """Freeze or thaw the subtree (cgroup.freeze, 5.2+). Completion shows as `frozen 1` in events."""
         self.write(FREEZE_FILE, "1" if frozen else "0")
 
-    def wait_events(self, done, timeout: float) -> bool:
+    def wait_events(self, done, timeout: float, settled: bytes | None = None) -> bool:
         """Wait until `done(events)` is true or `timeout` seconds pass; True if it became true.
 
         The kernel rate-limits cgroup.events notifications (cgroup_file_notify() in
@@ -192,7 +192,9 @@ class Cgroup:
         reads (sched_yield(2): the dying processes need it to exit; a SIGKILLed small turn is empty
         after ~0.1 ms, long before any poll timeout would fire), then at every POLLPRI wake-up and
         at least every 1 ms up to 50 ms, then every 20 ms, so a long grace period costs few
-        wake-ups. A vanished cgroup reads as {} and `done` decides what that means.
+        wake-ups. A vanished cgroup reads as {} and `done` decides what that means. `settled`: bytes
+        whose presence in the file is what `done` asks, so nothing is parsed (the spin over a dying
+        turn competes with its processes for the CPU).
         """
         started = time.monotonic()
         deadline = started + timeout
@@ -207,12 +209,15 @@ class Cgroup:
             poller = None
             while True:
                 try:
-                    text = os.pread(fd, 4096, 0).decode("ascii", "replace")
+                    raw = os.pread(fd, 4096, 0)
                 except OSError as err:
                     if err.errno == errno.ENODEV:  # cgroup removed under us
                         return bool(done({}))
                     raise translate("read", path, err) from err
-                if done(parsers.parse_cgroup_events(text)):
+                if settled is not None:
+                    if settled in raw:
+                        return True
+                elif done(parsers.parse_cgroup_events(raw.decode("ascii", "replace"))):
                     return True
                 now = time.monotonic()
                 if now >= deadline:
@@ -231,7 +236,7 @@ class Cgroup:
 
     def wait_unpopulated(self, timeout: float) -> bool:
         """Wait for `populated 0` (or the cgroup gone); True if it got there within `timeout`."""
-        return self.wait_events(lambda ev: ev.get("populated", 0) == 0, timeout)
+        return self.wait_events(lambda ev: ev.get("populated", 0) == 0, timeout, settled=b"populated 0\n")
 
     # --- creation and removal ---------------------------------------------------------------------
 
@@ -315,12 +320,7 @@ class Cgroup:
 
     def get_xattr(self, key: str) -> bytes | None:
         """The value of xattr `key`, or None when the cgroup or the attribute is absent."""
-        try:
-            return get_xattr(self.path, key)
-        except OSError as err:
-            if err.errno in (errno.ENODATA, errno.ENOENT):
-                return None
-            raise
+        return get_xattr(self.path, key)
 
     def set_xattr(self, key: str, value: bytes, create: bool = False) -> None:
         """Set xattr `key`; with `create`, only if it does not exist yet (FileExistsError otherwise:

@@ -7,11 +7,13 @@
 - posix_spawn(3) into a cgroup (glibc 2.39+: posix_spawnattr_setcgroup_np), which os.posix_spawn
   cannot ask for.
 
-Every wrapper raises OSError with errno and path, as the os module would.
+Every wrapper raises OSError with errno and path, as the os module would (getxattr answers None
+where the attribute is absent).
 """
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import os
 import sys
@@ -50,16 +52,23 @@ def _buffer_type(size: int):
     return ctypes.c_char * size  # one type per size, not one per call (create_string_buffer)
 
 
-def getxattr(path: str, key: str, size: int) -> bytes:
-    """The value of xattr `key` of `path`, read with one `size`-byte buffer.
+_ABSENT = frozenset({errno.ENODATA, errno.ENOENT})
+
+
+def getxattr(path: str, key: str, size: int) -> bytes | None:
+    """The value of xattr `key` of `path`, read with one `size`-byte buffer; None where the attribute
+    or `path` is absent (ENODATA, ENOENT), without an exception to make and catch for the answer
+    most reads of a rarely set attribute (a task's or the root's limits) give.
 
     Raises:
-        OSError: ENODATA when the attribute is absent; ERANGE when the value is larger than `size`
-            (the caller then asks os.getxattr, which sizes its buffer itself).
+        OSError: any other errno; ERANGE when the value is larger than `size` (the caller then asks
+            os.getxattr, which sizes its buffer itself).
     """
     buf = _buffer_type(size)()
     got = _libc().getxattr(path.encode(_FS_ENCODING, "surrogateescape"), key.encode(), buf, size)
     if got < 0:
+        if ctypes.get_errno() in _ABSENT:
+            return None
         _raise(path)
     return ctypes.string_at(buf, got)
 
