@@ -50,10 +50,9 @@ SWEEP_INTERVAL = 0.5
 SWEEP_STEP = 0.005
 SWEEP_DUTY = 0.005
 # After a wake-up that read messages, the next wait lasts at most this long and asks the channel for
-# its end only (POLLRDHUP: a datagram's wake-up is keyed POLLIN and passes it by), so the messages of
-# turns begun and completed back to back are read together and most sends wake no one (waking the
-# sentinel cost a send 5-9 us here, 1.3 us without: scripts/bench_sentinel_send.py). A wait that
-# read nothing goes back to POLLIN; the owner's death (pidfd) and close (POLLRDHUP) wake it at once.
+# its end only (POLLRDHUP: a datagram's POLLIN wake-up passes it by), so back-to-back turns' messages
+# are read together and most sends wake no one (a wake-up cost a send 5-9 us here, 1.3 us without:
+# scripts/bench_sentinel_send.py). The owner's death (pidfd) and close (POLLRDHUP) wake it at once.
 BATCH_WINDOW = 0.005
 
 
