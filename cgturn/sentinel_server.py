@@ -336,7 +336,6 @@ class Sentinel:
             if rec is None or rec.state != COMPLETED or (leased and rec.expires_at is None):
                 return True
             from . import recovery  # here, not before the sentinel's `ready`: its owner waits for that
-
             if recovery.remove_emptied(self._control, rec):
                 log.info("completed turn %r emptied: removed", key, extra=_key_fields(key))
                 return True
