@@ -546,3 +546,42 @@ def test_an_audit_append_looks_at_the_log_once(tmp_path, monkeypatch):
     assert len(looks) == 1
     lines = (tmp_path / audit.AUDIT_FILE).read_text().splitlines()
     assert lines[0] == '{"v": 1, "half": ' and json.loads(lines[1])["pids"] == [1234]
+
+
+def test_leaving_a_turn_without_v1_limits_writes_only_cgroup2(cgroup2_manager, monkeypatch):
+    """A turn without limits never took the caller into v1 cgroups, so leaving it (Celery's pool
+    process does, after every task) writes the caller's own cgroup2 cgroup.procs and nothing in the
+    v1 hierarchies, whose cgroups cgturn did not create. A turn with a v1 limit (a hybrid host) still
+    brings the caller back to its own v1 cgroups."""
+    from cgturn import Limits
+    from cgturn.kernel.cgroupfs import Cgroup
+
+    written: list[str] = []
+    real_move_in = Cgroup.move_in
+
+    def move_in(self, pid):  # a spy: the real write happens
+        written.append(self.path)
+        return real_move_in(self, pid)
+
+    monkeypatch.setattr(Cgroup, "move_in", move_in)
+    with open("/proc/self/cgroup") as f:
+        original = f.read()
+    mount = cgroup2_manager.backend.placement.mount
+    plain = cgroup2_manager.begin_turn("fast", "plain")
+    plain.enter()
+    cgroup2_manager.leave_turn()
+    assert written and all(p.startswith(mount + "/") or p == mount for p in written), written
+    with open("/proc/self/cgroup") as f:
+        assert f.read() == original
+
+    limited = cgroup2_manager.begin_turn("fast", "limited", limits=Limits(memory_max=1 << 30))
+    limited.enter()
+    try:
+        with open("/proc/self/cgroup") as f:
+            assert f.read() != original
+    finally:
+        cgroup2_manager.leave_turn()
+    with open("/proc/self/cgroup") as f:
+        assert f.read() == original, "the caller was not brought back to its own cgroups"
+    plain.abandon("test", grace=0)
+    limited.abandon("test", grace=0)

@@ -357,7 +357,7 @@ class Cgroup2Backend(Backend):
 
     def enter(self, record) -> None:
         try:
-            self.placement.enter(self._cg(record), self.layout.own_v1_dirs)
+            self.placement.enter(self._cg(record), self.layout.own_v1_dirs, joins_v1=bool(record.v1_dirs))
             if record.v1_dirs:
                 self.layout.join_v1(os.getpid(), record.task_key, record.turn_key)
         except FileNotFoundError:

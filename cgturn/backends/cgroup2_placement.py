@@ -28,6 +28,7 @@ class Placement:
         self.root, self.mount, self.fsroot = root, mount, fsroot
         self._home: str | None = None  # where the caller was before its first enter()
         self._home_v1: dict[str, str] = {}  # and in the v1 hierarchies
+        self._away_v1 = False  # an enter joined a turn's v1 cgroups: leave takes the caller back there
 
     def path_on_mount(self, rel: str) -> str | None:
         """Where a /proc/PID/cgroup path lies on our mount; None when outside our view."""
@@ -53,9 +54,10 @@ class Placement:
         tag = scope_tag(procfs.environ(pid))
         return tag if tag is not None and tag[0] != root else None
 
-    def enter(self, cg: Cgroup, own_v1_dirs: Callable[[], dict[str, str]]) -> None:
+    def enter(self, cg: Cgroup, own_v1_dirs: Callable[[], dict[str, str]], joins_v1: bool = False) -> None:
         """Move the caller into `cg`, first noting where it was (and in which v1 cgroups,
-        `own_v1_dirs()`) so `leave` can take it back.
+        `own_v1_dirs()`) so `leave` can take it back. `joins_v1`: the caller will join the turn's v1
+        cgroups too (the caller does that itself), so `leave` must take it back there as well.
 
         Raises:
             UnsafeOperation: the caller's own cgroup is not visible on our mount.
@@ -67,10 +69,15 @@ class Placement:
                 raise UnsafeOperation("cannot enter a turn: the caller's own cgroup is not visible")
             self._home_v1 = own_v1_dirs()
         cg.move_in(os.getpid())
+        self._away_v1 = self._away_v1 or joins_v1
 
     def leave(self) -> None:
-        """Move the caller back to where it was before its first `enter`."""
+        """Move the caller back to where it was before its first `enter`: in v1 only if a turn's v1
+        cgroups took it (a turn without v1 limits leaves it where it was: no write to its own v1
+        cgroups, which it did not create, on every leave)."""
         if self._home is not None:
             Cgroup(self._home).move_in(os.getpid())  # the one move outside the managed root
-        for path in self._home_v1.values():
-            Cgroup(path).move_in(os.getpid())  # and back to its own v1 cgroups
+        if self._away_v1:
+            for path in self._home_v1.values():
+                Cgroup(path).move_in(os.getpid())  # and back to its own v1 cgroups
+            self._away_v1 = False
