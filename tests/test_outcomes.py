@@ -61,9 +61,16 @@ def test_end_task_in_another_thread_while_a_blocking_worker_waits(manager):
     proc = turn.spawn(SLEEP)
     interrupts = []
     sup = Supervisor(turn, on_interrupt=interrupts.append, use_sentinel=False)
-    threading.Thread(target=lambda: wait_until(lambda: alive(proc.pid)) and manager.end_task("gw", grace=0),
-                     daemon=True).start()
-    outcome = sup.run_blocking(lambda: proc.wait(timeout=60))
+    killer = threading.Thread(target=lambda: wait_until(lambda: alive(proc.pid)) and manager.end_task("gw", grace=0),
+                              daemon=True)
+
+    def worker():
+        # The other thread starts from the worker, so the supervision is under way when it kills (a
+        # thread started before run_blocking could end the turn before the supervisor watched it).
+        killer.start()
+        return proc.wait(timeout=60)
+
+    outcome = sup.run_blocking(worker)
     assert outcome.abandoned and outcome.external and outcome.reason == "end-task"
     assert outcome.killed_by == os.getpid() and outcome.abandon.killed == [proc.pid]
     assert interrupts == ["end-task"]
