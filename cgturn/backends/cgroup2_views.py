@@ -74,11 +74,9 @@ def _task_views(meta: MetadataStore, task_path: str, task_fd: int, reader: "Usag
             cpu, mem = reader.read(task_fd, name)
             out.append(TurnView(rec, pids, cpu, mem, cgroup_ids, path))
             continue
-        cpu_stat = reader.cpu_stat(task_fd, name)
-        cpu = (parsers.parse_cpu_usage_usec(cpu_stat) or 0) / 1e6
-        out.append(TurnView(rec, pids, cpu, reader.memory_current(task_fd, name), cgroup_ids, path,
-                            usage=usage(rec, name, task_fd, cpu_stat), pressure=pressure(name, task_fd),
-                            frozen=_frozen(name, task_fd)))
+        used = usage(rec, name, task_fd, reader.cpu_stat(task_fd, name))  # its CPU seconds are the view's
+        out.append(TurnView(rec, pids, used.cpu_seconds, reader.memory_current(task_fd, name), cgroup_ids, path,
+                            usage=used, pressure=pressure(name, task_fd), frozen=_frozen(name, task_fd)))
     return out
 
 
