@@ -109,13 +109,20 @@ def launch(turn, esc: Escaper, timeout: float = 10.0) -> list[int]:
     with open(esc.log, "wb") as err:
         proc = turn.spawn(esc.argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
     esc.status = proc.wait(timeout=timeout)
-    wait_for(lambda: len(find_marked(esc.marker)) >= esc.leftovers, timeout)
-    if esc.final is not None:
-        wait_for(lambda: all(os.path.basename(procfs.cmdline(pid).split(" ")[0]) == esc.final
-                             for pid in find_marked(esc.marker)), timeout)
-    else:
-        wait_for(lambda: all(procfs.environ(pid) for pid in find_marked(esc.marker)), timeout)
+    # One predicate for count and readiness: a leftover in the middle of its exec reads an empty
+    # command line for a moment (the new mm has no arguments yet), so it drops out of find_marked, and
+    # a separate "all of them are ready" would hold on the empty list.
+    wait_for(lambda: _launched(esc), timeout)
     return find_marked(esc.marker)
+
+
+def _launched(esc: Escaper) -> bool:
+    pids = find_marked(esc.marker)
+    if len(pids) < esc.leftovers:
+        return False
+    if esc.final is not None:
+        return all(os.path.basename(procfs.cmdline(pid).split(" ")[0]) == esc.final for pid in pids)
+    return all(procfs.environ(pid) for pid in pids)
 
 
 def explain(esc: Escaper) -> str:
