@@ -15,8 +15,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from . import sentinel_locks, statefiles
 from . import sentinel_protocol as protocol
-from . import statefiles
 from .sentinel_server import Sentinel
 
 if TYPE_CHECKING:
@@ -96,10 +96,15 @@ def serve(fd: int, protocol_version: int | None, owner_pid: int, owner_start: in
                 _tell_owner(sock, protocol.error(str(err), guard=True))
                 return 1
         server = Sentinel(mgr, sock, owner_pid, owner_start)
+        # Held from before `ready` to the end: while the owner has turns this sentinel tracks, a
+        # reader finds its file locked, or unlocked once it died (cgturn.sentinel_locks).
+        held = None if owner_start is None else sentinel_locks.hold(state_dir, owner_pid, owner_start)
         _tell_owner(sock, protocol.ready(log_problem))
         try:
             server.run()
         finally:
+            if held is not None:
+                held.release()
             if runner is not None:
                 runner.stop()
                 runner.join()
