@@ -1,12 +1,12 @@
 """Sentinel lock files: how anyone can tell that an owner's sentinel died while the owner lives.
 
 A sentinel that died (SIGKILL, OOM kill) leaves its owner's running turns unguarded: should the owner
-die next, they run on and nobody abandons them. To make that visible before it happens, each sentinel,
-once it can track turns, holds `<state_dir>/sentinels/<owner pid>-<owner start>-<sentinel pid>` with
-an open-file-description write lock for its whole life (cgturn.kernel.ofdlock: the kernel drops the
-lock at the sentinel's death, whatever kills it) and removes the file when it exits normally. So a file
-that is present and unlocked is a sentinel that died; an owner that lives and has such files but no
-locked one is *unwatched* (the exporter's `cgturn_turns_unwatched`).
+die next, they run on and nobody abandons them. To make that visible before it happens, each sentinel
+holds `<state_dir>/sentinels/<owner pid>-<owner start>-<sentinel pid>` with an open-file-description
+write lock from just after it reports `ready` to its exit (cgturn.kernel.ofdlock: the kernel drops
+the lock at the sentinel's death, whatever kills it), and removes the file when it exits normally.
+So a file that is present and unlocked is a sentinel that died; an owner that lives and has such
+files but no locked one is *unwatched* (the exporter's `cgturn_turns_unwatched`).
 
 Why this design:
 - One file per sentinel, not per owner: an owner may run two sentinels at once (two managers, or a
@@ -18,8 +18,11 @@ Why this design:
   issue: one flock by any local user stalled the owner). The sentinel never waits for the lock.
 - Readers never lock or write: they ask F_OFD_GETLK. A file is made under a hidden name, locked, then
   renamed into place, and removed before its lock is dropped, so a reader never sees a live sentinel's
-  file unlocked. Starting costs the sentinel five system calls (open and fstat of the directory, the
-  file's open, fcntl, rename); nothing is written into the file: its name and its lock say it all.
+  file unlocked. Nothing is written into the file: its name and its lock say it all.
+- Cheap, and off the owner's wait: five system calls (open and fstat of the directory, the file's
+  open, fcntl, rename) and this module's import, made after the sentinel reported `ready` while the
+  owner goes on (cgturn.sentinel_main). A sentinel that dies in that moment leaves no file and is not
+  seen; one that cannot make the file logs why and tracks turns all the same.
 - Files of dead owners are removed by `cgturn reap` (`sweep`); readers ignore them until then.
 """
 from __future__ import annotations

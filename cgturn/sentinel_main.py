@@ -15,14 +15,15 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from . import sentinel_locks, statefiles
 from . import sentinel_protocol as protocol
+from . import statefiles
 from .sentinel_server import Sentinel
 
 if TYPE_CHECKING:
     import argparse
 
     from .guard_runner import GuardRunner
+    from .sentinel_locks import Held
 
 log = logging.getLogger("cgturn.sentinel")
 
@@ -96,10 +97,11 @@ def serve(fd: int, protocol_version: int | None, owner_pid: int, owner_start: in
                 _tell_owner(sock, protocol.error(str(err), guard=True))
                 return 1
         server = Sentinel(mgr, sock, owner_pid, owner_start)
-        # Held from before `ready` to the end: while the owner has turns this sentinel tracks, a
-        # reader finds its file locked, or unlocked once it died (cgturn.sentinel_locks).
-        held = None if owner_start is None else sentinel_locks.hold(state_dir, owner_pid, owner_start)
         _tell_owner(sock, protocol.ready(log_problem))
+        # Held from just after `ready` to the end (cgturn.sentinel_locks): made while the owner goes on
+        # (a `cgturn run` starts its command), not while it waits; what the owner sends meanwhile
+        # waits in the channel. A reader finds the file locked, or unlocked once this sentinel died.
+        held = _hold_lock(state_dir, owner_pid, owner_start)
         try:
             server.run()
         finally:
@@ -109,6 +111,14 @@ def serve(fd: int, protocol_version: int | None, owner_pid: int, owner_start: in
                 runner.stop()
                 runner.join()
     return 0
+
+
+def _hold_lock(state_dir: str, owner_pid: int, owner_start: int | None) -> "Held | None":
+    """This sentinel's lock file, held (None when it cannot be made: logged). Its modules are
+    imported here, after `ready`, so the owner never waits for them."""
+    from . import sentinel_locks
+
+    return None if owner_start is None else sentinel_locks.hold(state_dir, owner_pid, owner_start)
 
 
 def _batch_policy() -> None:

@@ -87,6 +87,12 @@ def lock_files(state) -> list[str]:
     return sorted(os.listdir(path)) if os.path.isdir(path) else []
 
 
+def made_files(state, n=1) -> list[str]:
+    """The lock files once `n` are made (a sentinel makes its file just after it reports ready)."""
+    assert wait_until(lambda: len(lock_files(state)) >= n, timeout=BOUND)
+    return lock_files(state)
+
+
 def locked(path) -> bool:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -99,7 +105,7 @@ def locked(path) -> bool:
 def test_a_sigkilled_sentinel_of_a_live_owner_shows_until_the_owner_dies_and_reap_cleans_up(owners, threaded):
     owner, info, state, root = owners(threaded=threaded)
     sentinel = info["sentinel"]
-    [name] = lock_files(state)
+    [name] = made_files(state)
     assert sentinel_locks.parse_name(name) == (owner.pid, start_time(owner.pid), sentinel)
     assert locked(os.path.join(state, sentinel_locks.DIR, name))
     before = scrape(root, state, owners.backend)
@@ -133,7 +139,7 @@ def test_an_owner_without_a_sentinel_is_not_unwatched(owners):
 @pytest.mark.parametrize("threaded", [False, True], ids=["forked", "execd"])
 def test_a_sentinel_that_exits_normally_leaves_no_file(owners, threaded):
     owner, info, state, root = owners(threaded=threaded)
-    [name] = lock_files(state)
+    [name] = made_files(state)
     assert sentinel_locks.parse_name(name)[2] == info["sentinel"]
     owner.stdin.write("done\n")  # the owner abandons its turn and closes its manager: its sentinel exits
     owner.stdin.flush()
@@ -164,7 +170,7 @@ def test_an_owner_is_watched_while_any_of_its_sentinels_lives(registry_manager, 
     try:
         pids = [Supervisor.start_sentinel(m) for m in (registry_manager, second)]
         registry_manager.begin_turn("watched", "t")
-        assert len(lock_files(registry_manager.state_dir)) == 2
+        assert len(made_files(registry_manager.state_dir, 2)) == 2
         assert sentinel_locks.unwatched_owners(registry_manager.state_dir) == set()
         os.kill(pids[0], signal.SIGKILL)
         assert wait_until(lambda: not alive(pids[0]), timeout=BOUND)
@@ -181,7 +187,7 @@ def test_no_other_user_can_open_a_sentinels_lock_file(registry_manager):
         pytest.skip("needs root, setpriv and the system python3 to run a process as nobody")
     Supervisor.start_sentinel(registry_manager)
     where = os.path.join(registry_manager.state_dir, sentinel_locks.DIR)
-    [name] = lock_files(registry_manager.state_dir)
+    [name] = made_files(registry_manager.state_dir)
     path = os.path.join(where, name)
     assert stat.S_IMODE(os.stat(where).st_mode) == 0o700 and stat.S_IMODE(os.stat(path).st_mode) == 0o600
     probe = textwrap.dedent("""
