@@ -21,7 +21,7 @@ import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
-from . import audit
+from . import audit, sentinel_locks
 from .model import RUNNING, STATES, TurnInfo
 
 # Upper bounds (seconds) of the abandon-latency histogram: a cgroup.kill lands in ms, a grace period
@@ -219,6 +219,7 @@ class TurnCollector:
 
     def __init__(self, list_turns: Callable[[], list[TurnInfo]], state_dir: str):
         self.list_turns = list_turns
+        self.state_dir = state_dir
         self.audit = AuditTail(state_dir)
 
     def describe(self):
@@ -242,13 +243,22 @@ class TurnCollector:
         owner_gone = GaugeMetricFamily("cgturn_turns_owner_gone",
                                        "Running turns whose owner process no longer exists: nobody (no "
                                        "sentinel) abandoned them.")
-        gone = 0
+        unwatched = GaugeMetricFamily("cgturn_turns_unwatched",
+                                      "Running turns whose owner lives but whose sentinel died (killed, "
+                                      "OOM-killed): should the owner die now, nobody abandons them.")
+        # Owners known to lack a live sentinel, read only when a turn runs (one directory listing and
+        # one F_OFD_GETLK per sentinel: cgturn.sentinel_locks). A turn names its owner by pid: one whose
+        # owner died and whose pid now names another unwatched owner counts here, not as owner_gone.
+        lost = sentinel_locks.unwatched_owners(self.state_dir) if any(i.state == RUNNING for i in turns) else set()
+        gone = unguarded = 0
         for info in turns:
             counts[info.state] = counts.get(info.state, 0) + 1
             if info.expires_at is not None:
                 lease.add_metric([info.task, info.turn], info.expires_at)
             if info.state == RUNNING and info.owner_pid is not None and not psutil.pid_exists(info.owner_pid):
                 gone += 1  # a reused pid counts as alive: the gauge can only under-report
+            elif info.state == RUNNING and info.owner_pid in lost:
+                unguarded += 1
             procs.add_metric([info.task, info.turn, info.state], len(info.pids))
             cpu.add_metric([info.task, info.turn], info.cpu_seconds)
             if info.memory_bytes is not None:
@@ -257,7 +267,8 @@ class TurnCollector:
         for state, n in counts.items():
             by_state.add_metric([state], n)
         owner_gone.add_metric([], gone)
-        yield from (by_state, procs, cpu, mem, ports, lease, owner_gone)
+        unwatched.add_metric([], unguarded)
+        yield from (by_state, procs, cpu, mem, ports, lease, owner_gone, unwatched)
         yield from _governance_metrics(turns)
         yield from self._audit_metrics()
 

@@ -10,7 +10,8 @@ One pass over every turn, each judged on its own:
   host crashed): thaw it — only a guard thaws what a guard froze, and a frozen turn's clocks stand
   still, so its timeouts would never fire (a live guard takes such turns on itself when it arms).
 An owner that cannot be looked at (AccessDenied) is not gone: its turn is left alone and reported.
-Then the task directories left empty are removed. Linear in the number of turns.
+Then the task directories left empty are removed, and the abandon notes and sentinel lock files
+(cgturn.sentinel_locks) of owners that are gone. Linear in the number of turns.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import os
 import time
 from typing import Any
 
-from . import leases, reasons
+from . import leases, reasons, sentinel_locks
 from .backends import guard_state
 from .backends.base import Backend
 from .control import TurnControl
@@ -94,6 +95,7 @@ def recover(control: TurnControl) -> list[RecoveryAction]:
     for path in limiter.sweep_v1_dirs() if limiter is not None else ():
         actions.append(RecoveryAction(REMOVED_V1, "", "", path=path))
     _sweep_notes(control.state_dir)
+    sentinel_locks.sweep(control.state_dir)
     return actions
 
 

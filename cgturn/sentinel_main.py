@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import argparse
 
     from .guard_runner import GuardRunner
+    from .sentinel_locks import Held
 
 log = logging.getLogger("cgturn.sentinel")
 
@@ -97,13 +98,27 @@ def serve(fd: int, protocol_version: int | None, owner_pid: int, owner_start: in
                 return 1
         server = Sentinel(mgr, sock, owner_pid, owner_start)
         _tell_owner(sock, protocol.ready(log_problem))
+        # Held from just after `ready` to the end (cgturn.sentinel_locks): made while the owner goes on
+        # (a `cgturn run` starts its command), not while it waits; what the owner sends meanwhile
+        # waits in the channel. A reader finds the file locked, or unlocked once this sentinel died.
+        held = _hold_lock(state_dir, owner_pid, owner_start)
         try:
             server.run()
         finally:
+            if held is not None:
+                held.release()
             if runner is not None:
                 runner.stop()
                 runner.join()
     return 0
+
+
+def _hold_lock(state_dir: str, owner_pid: int, owner_start: int | None) -> "Held | None":
+    """This sentinel's lock file, held (None when it cannot be made: logged). Its modules are
+    imported here, after `ready`, so the owner never waits for them."""
+    from . import sentinel_locks
+
+    return None if owner_start is None else sentinel_locks.hold(state_dir, owner_pid, owner_start)
 
 
 def _batch_policy() -> None:

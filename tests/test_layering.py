@@ -193,6 +193,7 @@ CONFINED = {
 MKDIR_OWNERS = {
     os.path.join(PACKAGE_DIR, "backends", "registry_db.py"): "the state directory",
     os.path.join(PACKAGE_DIR, "backends", "metadata.py"): "the record files under the state directory",
+    os.path.join(PACKAGE_DIR, "sentinel_locks.py"): "the sentinels' private directory under the state directory",
 }
 
 
