@@ -5,6 +5,7 @@ Read-only: it never recovers, kills or moves anything.
 """
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -119,15 +120,24 @@ def json_lines(rows: list[dict]) -> str:
 
 
 def run(args) -> int:
-    with common.make_manager(args) as manager:
-        rows = snapshot(args, manager)
-        for where, pid in manager.strays():
-            print(f"cgturn: warning: process {pid} ({where}) is in no turn: it left its turn; "
-                  "`cgturn reap` kills it", file=sys.stderr)
-    if args.json:
-        sys.stdout.write(json_lines(rows))
-    elif rows:
-        print(format_table(rows))
-    else:
-        print("no turns")
+    # A listing allocates a few dicts per turn and frees none of them before it prints: over 10,000
+    # turns the cyclic collector ran hundreds of times over objects that were all still live (5-12 %
+    # of the listing's time). Nothing `ps` makes needs collecting; it is switched back on once printed.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with common.make_manager(args) as manager:
+            rows = snapshot(args, manager)
+            for where, pid in manager.strays():
+                print(f"cgturn: warning: process {pid} ({where}) is in no turn: it left its turn; "
+                      "`cgturn reap` kills it", file=sys.stderr)
+        if args.json:
+            sys.stdout.write(json_lines(rows))
+        elif rows:
+            print(format_table(rows))
+        else:
+            print("no turns")
+    finally:
+        if collecting:
+            gc.enable()
     return common.EXIT_OK
