@@ -80,6 +80,16 @@ def encode(value: str) -> str:
     return f"{prefix}~{hashlib.sha256(raw).hexdigest()}"
 
 
+def names(value: object, name: str, what: str) -> bool:
+    """True when `value` is a valid `what` id (`validate`) whose directory name (`encode`) is `name`."""
+    if value == name and isinstance(value, str) and _ALL_SAFE.fullmatch(name):
+        return True  # safe characters only: a valid id, its own name (a listing verifies 1000s of them)
+    try:
+        return encode(validate(value, what)) == name
+    except ValueError:
+        return False
+
+
 def decode(name: str) -> str | None:
     """Invert `encode` for unshortened names; None for shortened or foreign names."""
     if "~" in name or name.startswith(INTERNAL_PREFIX):

@@ -187,25 +187,28 @@ class TurnInfo:
 
     def to_json(self) -> dict[str, Any]:
         """The documented `cgturn ps --json` object."""
-        from .limits import Usage
+        # One literal, in the documented key order: `ps --json` makes 10,000 of these.
+        usage = self.usage
+        if usage is None:
+            from .limits import Usage
 
-        data = {name: getattr(self, name) for name in ("task", "turn", "state", "pids", "owner_pid", "reason",
-                                                      "cpu_seconds", "memory_bytes")}
-        data["ports"] = [port.to_json() for port in self.ports]
-        data.update((name, getattr(self, name)) for name in ("path", "frozen", "sealed", "network"))
-        data["started_at"] = iso8601(self.started_at)
-        if self.limits is None:
-            data["limits"] = dict(_no_limits_json())  # most turns
-        else:
-            data["limits"] = {k: v for k, v in self.limits.to_json().items() if k != "oom_group"}
-        usage = self.usage or Usage(cpu_seconds=self.cpu_seconds)
-        data.update(oom_kills=usage.oom_kills, pids_max_hits=usage.pids_max_hits,
-                    memory_peak_bytes=usage.memory_peak_bytes, cpu_throttled_seconds=usage.cpu_throttled_seconds)
-        data["pressure"] = self.pressure if self.pressure is not None else {r: None for r in ("cpu", "memory", "io")}
-        data["expires_at"] = None if self.expires_at is None else iso8601(self.expires_at)
-        data["keys"] = dict(self.keys or {})
-        data["age_seconds"] = round(self.age_seconds, 3)
-        return data
+            usage = Usage(cpu_seconds=self.cpu_seconds)
+        limits = self.limits
+        return {
+            "task": self.task, "turn": self.turn, "state": self.state, "pids": self.pids,
+            "owner_pid": self.owner_pid, "reason": self.reason, "cpu_seconds": self.cpu_seconds,
+            "memory_bytes": self.memory_bytes, "ports": [port.to_json() for port in self.ports] if self.ports else [],
+            "path": self.path, "frozen": self.frozen, "sealed": self.sealed, "network": self.network,
+            "started_at": iso8601(self.started_at),
+            "limits": dict(_no_limits_json()) if limits is None  # most turns
+            else {k: v for k, v in limits.to_json().items() if k != "oom_group"},
+            "oom_kills": usage.oom_kills, "pids_max_hits": usage.pids_max_hits,
+            "memory_peak_bytes": usage.memory_peak_bytes, "cpu_throttled_seconds": usage.cpu_throttled_seconds,
+            "pressure": self.pressure if self.pressure is not None else {r: None for r in ("cpu", "memory", "io")},
+            "expires_at": None if self.expires_at is None else iso8601(self.expires_at),
+            "keys": dict(self.keys or {}),
+            "age_seconds": round(self.age_seconds, 3),
+        }
 
 
 @functools.lru_cache(maxsize=1)

@@ -633,6 +633,12 @@ def test_parse_proc_cgroup_v1(text, expected):
     ("some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",
      {"some": {"avg10": 0.0, "avg60": 0.0, "avg300": 0.0, "total": 0}}),
     ("some avg10=x total=5\nbogus avg10=1\n", {"some": {"total": 5}}),
+    # Near misses of the two-line file the kernel prints, read pair by pair: a later pair wins, a
+    # total that is not whole is left out.
+    ("some avg10=1.00 avg60=1=avg10=7 avg300=0.00 total=3\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=4\n",
+     {"some": {"avg10": 7.0, "avg300": 0.0, "total": 3}, "full": {"avg10": 0.0, "avg60": 0.0, "avg300": 0.0, "total": 4}}),
+    ("some avg10=1.00 avg60=0.00 avg300=0.00 total=3.5\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=4\n",
+     {"some": {"avg10": 1.0, "avg60": 0.0, "avg300": 0.0}, "full": {"avg10": 0.0, "avg60": 0.0, "avg300": 0.0, "total": 4}}),
     ("", {}),
 ])
 def test_parse_pressure(text, expected):

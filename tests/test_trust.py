@@ -14,6 +14,7 @@ import pytest
 
 from cgturn import errors
 from cgturn.backends import metadata
+from cgturn.model import TurnRecord
 from conftest import PY, alive, turn_dir, wait_until
 
 XATTR = "user.cgturn"
@@ -84,6 +85,20 @@ def test_a_record_with_wrong_field_types_is_corrupt_and_killable(cgroup2_manager
     assert proc.returncode == 0, proc.stderr
     assert px.wait(10) == -9
     assert alive(py.pid)
+
+
+def test_a_record_shaped_like_a_trusted_one_still_has_its_values_checked():
+    """Records whose values have the types of one that passed every check skip the type checks
+    (metadata._typed): the checks of values still apply to them, and other types are checked again."""
+    path = "/nowhere/task-a/t1"
+    good = {"format": 1, **TurnRecord(task_id="task-a", turn_id="t1", task_key="task-a", turn_key="t1", owner_pid=7,
+                                      started_at=1.5).to_json()}
+    first = metadata.record_from_xattr(json.dumps(good).encode(), path)
+    assert first is not None and metadata.record_from_xattr(json.dumps(good).encode(), path) == first
+    for field, value in [("state", "finished"), ("network", "bridge"), ("frozen_by", "someone"),  # same types
+                         ("owner_pid", 7.0), ("owner_pid", True), ("sealed", 0), ("started_at", "1.5"),
+                         ("task_id", "task-b"), ("turn_key", "t2")]:
+        assert metadata.record_from_xattr(json.dumps({**good, field: value}).encode(), path) is None, (field, value)
 
 
 # --- item 3: ancestors of the caller -----------------------------------------------------------------
