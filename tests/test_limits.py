@@ -645,6 +645,23 @@ def test_parse_pressure(text, expected):
     assert parsers.parse_pressure(text) == expected
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("some avg10=1.50 avg60=0.20 avg300=0.00 total=12345\nfull avg10=0.25 avg60=0.00 avg300=0.00 total=7\n",
+     {"some_avg10": 1.5, "full_avg10": 0.25, "some_total_usec": 12345, "full_total_usec": 7}),
+    ("some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",  # cpu before 5.13: no full line
+     {"some_avg10": 0.0, "full_avg10": None, "some_total_usec": 0, "full_total_usec": None}),
+    ("some avg10=1.00 avg60=1=avg10=7 avg300=0.00 total=3\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=4.5\n",
+     {"some_avg10": 7.0, "full_avg10": 0.0, "some_total_usec": 3, "full_total_usec": None}),
+    ("full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n", None),
+    ("", None),
+])
+def test_parse_pressure_figures(text, expected):
+    """What `ps` shows of a PSI file: the usual file in one match, any other through parse_pressure."""
+    got = parsers.parse_pressure_figures(text)
+    assert got == expected
+    assert got is None or [type(v) for v in got.values()] == [type(v) for v in expected.values()]
+
+
 # --- 10. ps --json -------------------------------------------------------------------------------------------
 
 def test_ps_json_shows_limits_and_figures(mgr, state_dir):

@@ -141,12 +141,7 @@ def pressure(path: str, dir_fd: int | None = None) -> dict:
     out: dict = {}
     for resource in PRESSURE_RESOURCES:
         try:
-            parsed = parsers.parse_pressure(read_text(f"{path}/{resource}.pressure", dir_fd=dir_fd))
+            out[resource] = parsers.parse_pressure_figures(read_text(f"{path}/{resource}.pressure", dir_fd=dir_fd))
         except OSError:
             out[resource] = None
-            continue
-        some, full = parsed.get("some"), parsed.get("full")
-        out[resource] = None if some is None else {
-            "some_avg10": some.get("avg10"), "full_avg10": None if full is None else full.get("avg10"),
-            "some_total_usec": some.get("total"), "full_total_usec": None if full is None else full.get("total")}
     return out

@@ -189,6 +189,22 @@ _PSI_LINE = r" avg10=(\d+(?:\.\d+)?) avg60=(\d+(?:\.\d+)?) avg300=(\d+(?:\.\d+)?
 _PSI_FILE = re.compile("some" + _PSI_LINE + "full" + _PSI_LINE)
 
 
+def parse_pressure_figures(text: str) -> dict[str, float | None] | None:
+    """A PSI file as `ps` shows it: {some_avg10, full_avg10, some_total_usec, full_total_usec} from
+    `parse_pressure` (a figure it lacks, or a `full` line it lacks, as None; cpu has none before
+    5.13); None without a `some` line."""
+    both = _PSI_FILE.fullmatch(text)
+    if both is not None:  # the usual file (three per turn in `ps`): only the four figures converted
+        return {"some_avg10": float(both[1]), "full_avg10": float(both[5]), "some_total_usec": int(both[4]),
+                "full_total_usec": int(both[8])}
+    parsed = parse_pressure(text)
+    some, full = parsed.get("some"), parsed.get("full")
+    if some is None:
+        return None
+    return {"some_avg10": some.get("avg10"), "full_avg10": None if full is None else full.get("avg10"),
+            "some_total_usec": some.get("total"), "full_total_usec": None if full is None else full.get("total")}
+
+
 def parse_io_stat_bytes(text: str) -> int:
     """io.stat (`MAJ:MIN rbytes=.. wbytes=.. rios=..` per device) -> rbytes + wbytes over all devices."""
     total = 0
