@@ -325,7 +325,10 @@ EARLY_DEATH = textwrap.dedent("""
     real = processes.open_owner
 
     def late(pid, start):  # the sentinel looks at its owner only once the owner is dead
-        fd = os.pidfd_open(pid)
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:  # dead and reaped already (a slow start under load)
+            return real(pid, start)
         select.select([fd], [], [])
         os.close(fd)
         return real(pid, start)
