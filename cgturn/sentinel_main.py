@@ -96,7 +96,12 @@ def serve(fd: int, protocol_version: int | None, owner_pid: int, owner_start: in
                 log.error("pressure guard cannot start: %s", err)
                 _tell_owner(sock, protocol.error(str(err), guard=True))
                 return 1
-        server = Sentinel(mgr, sock, owner_pid, owner_start)
+        try:
+            server = Sentinel(mgr, sock, owner_pid, owner_start)
+        except Exception as err:  # noqa: BLE001 - reported to the owner and logged: never a silent exit
+            log.exception("sentinel cannot start")
+            _tell_owner(sock, protocol.error(f"{type(err).__name__}: {err}"))
+            return 1
         _tell_owner(sock, protocol.ready(log_problem))
         # Held from just after `ready` to the end (cgturn.sentinel_locks): made while the owner goes on
         # (a `cgturn run` starts its command), not while it waits; what the owner sends meanwhile
@@ -104,9 +109,15 @@ def serve(fd: int, protocol_version: int | None, owner_pid: int, owner_start: in
         held = _hold_lock(state_dir, owner_pid, owner_start)
         try:
             server.run()
-        finally:
+        except Exception:
+            # Its lock file stays, unlocked once this process is gone: the exporter counts the owner's
+            # running turns as unwatched (cgturn_turns_unwatched), and the log says why.
+            log.exception("sentinel of owner %d failed; its running turns are no longer watched", owner_pid)
+            raise
+        else:
             if held is not None:
                 held.release()
+        finally:
             if runner is not None:
                 runner.stop()
                 runner.join()

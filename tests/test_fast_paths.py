@@ -360,6 +360,32 @@ def test_an_owner_sigkilled_before_its_sentinel_is_ready_still_loses_its_turn(cg
             owner.wait()
 
 
+# An owner whose (forked) sentinel fails as it starts watching it: prints what start_sentinel raised.
+CANNOT_WATCH = textwrap.dedent("""
+    import sys
+    from cgturn import Supervisor, TurnManager, processes
+    from cgturn.errors import SentinelUnavailable
+
+    def fail(pid, start):
+        raise RuntimeError("injected open_owner failure")
+
+    processes.open_owner = fail
+    with TurnManager(root=sys.argv[1], backend="cgroup2", state_dir=sys.argv[2]) as mgr:
+        try:
+            Supervisor.start_sentinel(mgr)
+        except SentinelUnavailable as err:
+            print(err, flush=True)
+""")
+
+
+def test_a_sentinel_that_fails_to_start_tells_its_owner_why_and_logs_it(cgroup2_root, state_dir):
+    out = subprocess.run([PY, "-c", CANNOT_WATCH, cgroup2_root, state_dir], capture_output=True, text=True,
+                         env=cgturn_env(), timeout=60)
+    assert out.returncode == 0 and "injected open_owner failure" in out.stdout, (out.stdout, out.stderr)
+    with open(os.path.join(state_dir, "sentinel.log"), encoding="utf-8") as f:
+        assert "sentinel cannot start" in f.read()
+
+
 def test_cgturn_run_whose_sentinel_cannot_start_runs_nothing_and_leaves_no_turn(cgroup2_root, state_dir, tmp_path):
     """The sentinel's `ready` is waited for after the turn is made: when it never comes, the turn is
     abandoned, CMD never starts, and run exits 125."""

@@ -45,6 +45,15 @@ OWNER = textwrap.dedent("""
 """)
 
 
+# OWNER whose (forked) sentinel fails while it serves: an exception out of its loop, as a bug would.
+FAILING_SENTINEL = textwrap.dedent("""
+    from cgturn import sentinel_server
+    def fail(self):
+        raise RuntimeError("injected sentinel failure")
+    sentinel_server.Sentinel._fire_due = fail
+""") + OWNER
+
+
 @pytest.fixture(params=["cgroup2", "registry"])
 def owners(request, tmp_path):
     """Start OWNER processes on one backend: `start(threaded, sentinel)` -> (Popen, info, state, root).
@@ -53,8 +62,8 @@ def owners(request, tmp_path):
     root = os.path.join(need_cgroup2(), f"cgturn-test-{uuid.uuid4().hex[:10]}") if request.param == "cgroup2" else None
     procs = []
 
-    def start(threaded=False, sentinel=True):
-        p = subprocess.Popen([PY, "-c", OWNER, root or "", request.param, state, "1" if threaded else "0",
+    def start(threaded=False, sentinel=True, script=OWNER):
+        p = subprocess.Popen([PY, "-c", script, root or "", request.param, state, "1" if threaded else "0",
                               "1" if sentinel else "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                              env=cgturn_env())
         procs.append(p)
@@ -126,6 +135,17 @@ def test_a_sigkilled_sentinel_of_a_live_owner_shows_until_the_owner_dies_and_rea
     assert [a["reason"] for a in json.loads(out.stdout) if a["action"] == "abandoned"] == ["owner-died"]
     assert lock_files(state) == []  # the dead owner's file went with its turn
     assert wait_until(lambda: not alive(info["child"]), timeout=BOUND)
+
+
+def test_a_sentinel_that_fails_while_serving_says_why_and_leaves_its_owner_unwatched(owners):
+    """A sentinel whose loop raises logs the error and keeps its lock file (unlocked once it is gone),
+    so the exporter shows the owner's turns unwatched, as after a SIGKILL; a clean exit removes it."""
+    owner, info, state, root = owners(script=FAILING_SENTINEL)
+    assert wait_until(lambda: not alive(info["sentinel"]), timeout=BOUND)
+    assert scrape(root, state, owners.backend)["cgturn_turns_unwatched"] == 1
+    with open(os.path.join(state, "sentinel.log"), encoding="utf-8") as f:
+        logged = f.read()
+    assert "injected sentinel failure" in logged and "no longer watched" in logged
 
 
 def test_an_owner_without_a_sentinel_is_not_unwatched(owners):
