@@ -510,7 +510,7 @@ class Supervisor:
         with self._lock:
             self._external = True
         self._outside.learn(rec, None)
-        return self._outside.figures(reason)
+        return self._outside.figures(rec.reason if rec is not None and rec.reason else reason)
 
     def _log_fields(self, reason: str | None = None) -> dict[str, Any]:
         return turn_fields(self.turn.task_id, self.turn.turn_id, reason)
