@@ -25,6 +25,8 @@ class Outcome:
         interrupted: `on_interrupt` fired.
         external: abandoned by someone other than this supervisor (`cgturn stop`, end_task, the
             sentinel, the guard, another thread's Turn.abandon); `abandon` then holds that kill's figures.
+            When this supervisor had decided first but the other hand marked the turn first, `reason`
+            stays its own decision and `abandon.reason` is the recorded one.
         killed_by: the pid of the process that killed the turn (None when unknown).
         usage: what the turn used and which limits the kernel enforced on it (cgturn.Usage), read as
             the worker finished or by the abandon before the turn's cgroup was removed; None when unknown.

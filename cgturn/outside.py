@@ -126,7 +126,7 @@ class OutsideAbandon:
         while not self._resolved.is_set():
             note = self.take_note()
             if note is not None:
-                self.result = result_from_note(note, reason)
+                self.resolve(result_from_note(note, reason))
                 break
             if self._killer is not None and self._killer[0] == os.getpid():
                 bound = EXTERNAL_WAIT  # another thread of ours is killing: its listener event resolves it
@@ -139,4 +139,5 @@ class OutsideAbandon:
             self._resolved.wait(NOTE_POLL)
         if self.result is None:
             self.result = AbandonResult(skipped=False, reason=reason or reasons.UNRECORDED, killed_by=self.killed_by)
+        self._resolved.set()  # final: a second look (the owner's settle after the kill's own) waits no more
         return self.result

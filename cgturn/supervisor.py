@@ -40,7 +40,7 @@ from . import clocks, reasons, sentinel, watchdog
 from .errors import LockTimeout, NoSuchTurn, SentinelUnavailable
 from .limits import cpu_time_problem
 from .logfields import turn_fields
-from .model import COMPLETED, RUNNING, AbandonResult
+from .model import ABANDONED, COMPLETED, RUNNING, AbandonResult
 from .outcome import Outcome
 from .outside import EXTERNAL_WAIT, UNKNOWN_KILLER_WAIT, OutsideAbandon
 from .runs import Run, aabandon_disconnected, abandon_disconnected, areap_disconnected, reap_disconnected
@@ -357,8 +357,10 @@ class Supervisor:
         """
         with self._lock:
             if self._completed or self._reason is not None:
-                if result is not None and self._external and self._abandon_result is None:
-                    self._outside.resolve(result)  # the figures of the kill already noticed
+                if result is not None and self._abandon_result is None:
+                    # The figures of a kill already noticed, or of one by another thread that won the
+                    # mark over this supervisor's own abandon (_lost_mark), which may not know it yet.
+                    self._outside.resolve(result)
                 return
             self._reason, self._external = reason, True
             self._outside.learn(rec, result)
@@ -490,7 +492,25 @@ class Supervisor:
                 log.info("turn %r superseded by a newer turn: kill skipped (%s)", self.turn.turn_id, reason,
                          extra=self._log_fields(reason))
                 return AbandonResult(skipped=True, reason=reason)
-        return self.turn.abandon(reason, grace=grace)
+        result = self.turn.abandon(reason, grace=grace)
+        return self._lost_mark(reason, result) if result.skipped else result
+
+    def _lost_mark(self, reason: str, skipped: AbandonResult) -> AbandonResult:
+        """This abandon found the turn no longer running: another hand marked it first (the sentinel's
+        copy of the same clock, `cgturn stop`, the guard) and may still be killing. Unless the turn
+        completed, the outcome is that kill's, waited for as any abandon by someone else is
+        (cgturn.outside): a skipped kill returned now would leave the turn's processes alive after it."""
+        try:
+            rec = self._control.record(*self.names)
+        except Exception:  # noqa: BLE001 - an unreadable record: the skipped kill is all there is to tell
+            log.exception("cannot read the state of turn %r", self.turn.turn_id, extra=self._log_fields(reason))
+            return skipped
+        if rec is not None and rec.state != ABANDONED:
+            return skipped  # completed by another hand: its survivors stand
+        with self._lock:
+            self._external = True
+        self._outside.learn(rec, None)
+        return self._outside.figures(rec.reason if rec is not None and rec.reason else reason)
 
     def _log_fields(self, reason: str | None = None) -> dict[str, Any]:
         return turn_fields(self.turn.task_id, self.turn.turn_id, reason)

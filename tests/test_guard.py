@@ -323,8 +323,9 @@ def test_cli_run_admit_timeout_exits_125(cgroup2_manager, cgroup2_root, state_di
 
 @pytest.fixture
 def gateway(test_cgroup):
-    """A stand-in gateway: one busy loop in a cgroup the test created (the watched cgroup)."""
-    proc = subprocess.Popen([PY, "-c", BUSY])
+    """A stand-in gateway: one busy loop in a cgroup the test created (the watched cgroup). In a session
+    of its own, so in a scheduling autogroup of its own (sched(7)): a test can raise its priority alone."""
+    proc = subprocess.Popen([PY, "-c", BUSY], start_new_session=True)
     with open(os.path.join(test_cgroup, "cgroup.procs"), "w") as f:
         f.write(str(proc.pid))
     yield test_cgroup
@@ -442,17 +443,51 @@ def _stall_rate(gateway: str, seconds: float) -> float:
     return (read() - before) / (time.monotonic() - started)
 
 
+# Ahead of the rest of the host: nice -15, for the task and for its session's autogroup (sched(7): with
+# autogroups on, nice weighs only inside a session, and sessions share a CPU equally).
+AHEAD = -15
+
+
+def _ahead(pid: int, cpu: int) -> None:
+    """Put process `pid`, a session leader, on CPU `cpu` only and AHEAD of the rest of the host."""
+    os.sched_setaffinity(pid, {cpu})
+    os.setpriority(os.PRIO_PROCESS, pid, AHEAD)
+    if os.path.exists(f"/proc/{pid}/autogroup"):  # CONFIG_SCHED_AUTOGROUP
+        with open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write(str(AHEAD))
+
+
+def _busy_ahead(cpu: int) -> str:
+    """BUSY in a session of its own, as `_ahead` puts it, saying `ready` once there."""
+    return (f"import os\nif os.getsid(0) != os.getpid():\n    os.setsid()\n"
+            f"os.sched_setaffinity(0, {{{cpu}}})\nos.setpriority(os.PRIO_PROCESS, 0, {AHEAD})\n"
+            f"if os.path.exists('/proc/self/autogroup'):\n"
+            f"    with open('/proc/self/autogroup', 'w') as f:\n        f.write('{AHEAD}')\n"
+            f"print('ready', flush=True)\n{BUSY}")
+
+
 def test_freezing_the_hog_relieves_the_gateway(cgroup2_root, state_dir, gateway):
-    """What the guard is for: the gateway's stall time falls once the hog is frozen."""
+    """What the guard is for: the gateway's stall time falls once the hog is frozen.
+
+    The gateway and the hog's busy loops share one CPU, AHEAD of the rest of the host: there they compete
+    with each other, not with whatever else the host runs (other suites on 2 cores stalled the gateway as
+    much without the hog as with it), and the other CPU stays to the rest of the host."""
+    cpu = max(os.sched_getaffinity(0))
+    for pid in open(os.path.join(gateway, "cgroup.procs")).read().split():
+        _ahead(int(pid), cpu)
     plain = TurnManager(root=cgroup2_root, backend="cgroup2", state_dir=state_dir, sentinel=False)
     try:
-        hog = _hog(plain)
+        hog = plain.begin_turn("t", "hog")
+        loops = [hog.spawn([PY, "-c", _busy_ahead(cpu)], stdout=subprocess.PIPE, text=True) for _ in range(HOGS)]
+        assert [p.stdout.readline() for p in loops] == ["ready\n"] * HOGS  # all of them in their loops
         loaded = _stall_rate(gateway, 1.0)
-        assert loaded > 50_000, loaded  # 3 busy loops on 2 cores beside the gateway: it waits for a core
+        assert loaded > 50_000, loaded  # 3 busy loops beside the gateway on its CPU: it waits for it
         with _guarded(cgroup2_root, state_dir, gateway, thaw_after=600, abandon_after=600):
-            assert wait_until(lambda: hog.record.frozen_by == "guard", timeout=DEADLINE)
+            # The record is marked before cgroup.freeze is written: the kernel's `frozen 1` says the
+            # loops have stopped.
+            assert wait_until(lambda: hog.record.frozen_by == "guard"
+                              and Cgroup(turn_dir(plain, hog)).events().get("frozen") == 1, timeout=DEADLINE)
             relieved = _stall_rate(gateway, 1.0)
-        # Other work on the machine stalls the gateway in both windows alike; the hog's share goes.
         assert relieved < loaded * 0.75, (loaded, relieved)
         hog.abandon("test-done", grace=0)
     finally:

@@ -169,3 +169,38 @@ def test_async_counterparts_never_block_the_loop(manager):
         assert await aabandon_disconnected(Run("idle")) is None
 
     asyncio.run(main())
+
+
+def test_a_kill_that_loses_the_mark_to_another_process_waits_for_that_kill(manager):
+    """The watchdog decides the timeout, but another process marks the turn abandoned first and is still
+    killing (the sentinel's copy of the timeout wins this way on a loaded host): the supervisor's own
+    abandon is skipped, and the outcome is that other kill's, given once it is done, never a skipped
+    kill with the turn's processes still alive."""
+    turn = manager.begin_turn("gw", "lost-mark")
+    proc = turn.spawn(["sh", "-c", "trap '' TERM; echo ready; exec sleep 300"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    stopper = []
+
+    def other_process_marks_first():
+        # Called by the supervisor's kill just before its abandon: `cgturn stop` marks the turn, then
+        # waits out its grace on the process that ignores SIGTERM, while this abandon goes on.
+        argv = cgturn_argv(manager.root, manager.state_dir, "stop", "gw", "lost-mark", "--reason", "operator",
+                           "--grace", "3", backend=manager.backend_name)
+        stopper.append(subprocess.Popen(argv, env=cgturn_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        text=True))
+        assert wait_until(lambda: turn.record.state == "abandoned", timeout=60)
+        return True
+
+    interrupts = []
+    release = threading.Event()
+    sup = Supervisor(turn, timeout=0.2, grace=0, use_sentinel=False, is_still_current=other_process_marks_first,
+                     on_interrupt=lambda why: (interrupts.append(why), release.set()))
+    outcome = sup.run_blocking(lambda: release.wait(60))
+    assert not alive(proc.pid), "the outcome came while the turn's process was still alive"
+    assert outcome.abandoned and outcome.reason == "timeout" and interrupts == ["timeout"]
+    assert outcome.external and outcome.killed_by == stopper[0].pid
+    assert outcome.abandon.skipped is False and outcome.abandon.killed == [proc.pid]
+    assert outcome.abandon.reason == "operator" and outcome.abandon.signals == ["SIGTERM", "SIGKILL"]
+    assert [r["reason"] for r in audit_records(manager.state_dir, "lost-mark")] == ["operator"]
+    _, err = stopper[0].communicate(timeout=60)
+    assert stopper[0].returncode == 0, err

@@ -279,7 +279,9 @@ def _status_of(outcome, turn, proc, args, limits, sentinel_pid: int | None) -> i
         return _status(proc)  # an OOM kill ended it: CMD's own status (128+9 as a rule)
     if outcome.external and not own_timeout:
         who = f"process {outcome.killed_by}" if outcome.killed_by is not None else "another process"
-        print(f"cgturn: the turn was abandoned by {who}: reason {outcome.reason!r}", file=sys.stderr)
+        # The kill's own reason: when that process's mark came before our own abandon's, it is not ours.
+        why = outcome.abandon.reason if outcome.abandon is not None else outcome.reason
+        print(f"cgturn: the turn was abandoned by {who}: reason {why!r}", file=sys.stderr)
         return _status(proc)
     if outcome.reason and outcome.reason.startswith(reasons.SIGNAL_PREFIX):
         return 128 + signal.Signals[outcome.reason.removeprefix(reasons.SIGNAL_PREFIX)]
