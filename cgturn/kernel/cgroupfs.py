@@ -32,8 +32,14 @@ KILL_UNSUPPORTED_ERRNOS = frozenset({errno.ENOENT, errno.EINVAL, errno.EOPNOTSUP
 PRIVATE_MODE = 0o711
 _OPEN_TO_OTHERS = 0o066  # group or other read/write: what PRIVATE_MODE takes away
 
-# How Cgroup.wait_events paces its re-reads of cgroup.events (see there).
-SPIN_FOR, NAP, BUSY_FOR, IDLE_INTERVAL_MS = 0.005, 0.0002, 0.05, 20
+# How a wait on cgroup.events paces its re-reads (Cgroup.wait_events): back to back for SPIN_FOR
+# seconds (a kill of a small turn is over well within it), then asleep between reads: NAP seconds
+# until BUSY_FOR (a SIGKILLed tree of a hundred processes or more empties within it), then
+# IDLE_INTERVAL_MS (a grace period's wait costs few wake-ups).
+SPIN_FOR = 0.005
+NAP = 0.0002
+BUSY_FOR = 0.05
+IDLE_INTERVAL_MS = 20
 
 
 class KillUnsupported(Exception):
@@ -184,13 +190,21 @@ class Cgroup:
     def wait_events(self, done, timeout: float, settled: bytes | None = None) -> bool:
         """Wait until `done(events)` is true or `timeout` seconds pass; True if it became true.
 
-        cgroup.events notifications are rate-limited (cgroup_file_notify(): one per 10 ms), the file
-        is current. So the wait re-reads it: back to back for SPIN_FOR s, yielding the CPU to the
-        dying processes (a SIGKILLed small turn is empty after ~0.1 ms); every NAP s asleep up to
-        BUSY_FOR (nanosleep: poll(2)'s whole milliseconds lost half of one on average to a tree that
-        outlasts the spin; select(2) takes no fd above 1023); then at every POLLPRI wake-up and at
-        least every IDLE_INTERVAL_MS (a long grace costs few wake-ups). A vanished cgroup reads as {}
-        for `done` to judge. `settled`: bytes whose presence is what `done` asks (nothing parsed).
+        The kernel rate-limits cgroup.events notifications (cgroup_file_notify() in
+        kernel/cgroup/cgroup.c: at most one per CGROUP_FILE_NOTIFY_MIN_INTV, 10 ms; seen here as
+        13-14 ms after a kill right after a spawn), while the file itself is current. So the wait
+        re-reads the file: back to back for the first SPIN_FOR seconds, yielding the CPU between
+        reads (sched_yield(2): the dying processes need it to exit; a SIGKILLed small turn is empty
+        after ~0.1 ms, long before any poll timeout would fire), then at every POLLPRI wake-up and
+        every NAP (0.2 ms) up to BUSY_FOR, then at every POLLPRI wake-up and at least every
+        IDLE_INTERVAL_MS, so a long grace period costs few wake-ups. The naps are nanosleep(2)'s:
+        poll(2) counts whole milliseconds, which would add half of one, on average, to a kill that
+        outlasts the spin (a tree of about a hundred processes on two cores), and select(2) cannot
+        take an fd above 1023 (a gateway with many sockets has them); asleep, the waiter leaves the
+        CPUs to the dying processes, and a notification, rate-limited to one per 10 ms, would not
+        come sooner. A vanished cgroup reads as {} and `done` decides what that means. `settled`: bytes
+        whose presence in the file is what `done` asks, so nothing is parsed (the spin over a dying
+        turn competes with its processes for the CPU).
         """
         started = time.monotonic()
         deadline = started + timeout
