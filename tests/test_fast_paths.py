@@ -614,31 +614,3 @@ def test_leaving_a_turn_without_v1_limits_writes_only_cgroup2(cgroup2_manager, m
         assert f.read() == original, "the caller was not brought back to its own cgroups"
     plain.abandon("test", grace=0)
     limited.abandon("test", grace=0)
-
-
-def test_a_wait_that_outlasts_the_spin_naps_less_than_a_millisecond(cgroup2_manager, monkeypatch):
-    """A tree that takes longer than the spin to die (a hundred processes on two cores) is re-read
-    every 0.2 ms up to 50 ms: poll(2)'s whole milliseconds added half of one, on average, to its
-    abandon. Its fd may lie above 1023 (a gateway with many sockets), where select(2) fails."""
-    from cgturn.kernel import cgroupfs
-
-    turn = cgroup2_manager.begin_turn("fast", "nap")
-    proc = turn.spawn(["sleep", "300"])
-    assert wait_until(lambda: turn.pids() == [proc.pid])
-    cg = cgroup2_manager.backend.turn_cgroup(turn.record.task_key, turn.record.turn_key)
-    naps: list[float] = []
-    real_sleep = cgroupfs.time.sleep
-    monkeypatch.setattr(cgroupfs, "SPIN_FOR", 0.0)
-    monkeypatch.setattr(cgroupfs.time, "sleep", lambda s: naps.append(s) or real_sleep(s))
-    fillers = [os.open("/dev/null", os.O_RDONLY)]
-    try:
-        while fillers[-1] < 1100:  # the wait's own fd comes after these
-            fillers.append(os.open("/dev/null", os.O_RDONLY))
-        assert cg.wait_unpopulated(0.01) is False  # populated throughout: the whole wait naps
-    finally:
-        for fd in fillers:
-            os.close(fd)
-        monkeypatch.undo()
-    assert naps and max(naps) <= cgroupfs.NAP
-    turn.abandon("test", grace=0)
-    proc.wait(timeout=BOUND)

@@ -32,14 +32,9 @@ KILL_UNSUPPORTED_ERRNOS = frozenset({errno.ENOENT, errno.EINVAL, errno.EOPNOTSUP
 PRIVATE_MODE = 0o711
 _OPEN_TO_OTHERS = 0o066  # group or other read/write: what PRIVATE_MODE takes away
 
-# How a wait on cgroup.events paces its re-reads (Cgroup.wait_events): back to back for SPIN_FOR
-# seconds (a kill of a small turn is over well within it), then asleep between reads: NAP seconds
-# until BUSY_FOR (a SIGKILLed tree of a hundred processes or more empties within it), then
-# IDLE_INTERVAL_MS (a grace period's wait costs few wake-ups).
+# How long a wait on cgroup.events re-reads the file back to back before it sleeps in poll(2)
+# (Cgroup.wait_events): a kill of a small turn is over well within it.
 SPIN_FOR = 0.005
-NAP = 0.0002
-BUSY_FOR = 0.05
-IDLE_INTERVAL_MS = 20
 
 
 class KillUnsupported(Exception):
@@ -196,13 +191,8 @@ class Cgroup:
         re-reads the file: back to back for the first SPIN_FOR seconds, yielding the CPU between
         reads (sched_yield(2): the dying processes need it to exit; a SIGKILLed small turn is empty
         after ~0.1 ms, long before any poll timeout would fire), then at every POLLPRI wake-up and
-        every NAP (0.2 ms) up to BUSY_FOR, then at every POLLPRI wake-up and at least every
-        IDLE_INTERVAL_MS, so a long grace period costs few wake-ups. The naps are nanosleep(2)'s:
-        poll(2) counts whole milliseconds, which would add half of one, on average, to a kill that
-        outlasts the spin (a tree of about a hundred processes on two cores), and select(2) cannot
-        take an fd above 1023 (a gateway with many sockets has them); asleep, the waiter leaves the
-        CPUs to the dying processes, and a notification, rate-limited to one per 10 ms, would not
-        come sooner. A vanished cgroup reads as {} and `done` decides what that means. `settled`: bytes
+        at least every 1 ms up to 50 ms, then every 20 ms, so a long grace period costs few
+        wake-ups. A vanished cgroup reads as {} and `done` decides what that means. `settled`: bytes
         whose presence in the file is what `done` asks, so nothing is parsed (the spin over a dying
         turn competes with its processes for the CPU).
         """
@@ -236,13 +226,11 @@ class Cgroup:
                 if waited < SPIN_FOR:
                     os.sched_yield()
                     continue
-                if waited < BUSY_FOR:
-                    time.sleep(min(NAP, deadline - now))
-                    continue
                 if poller is None:
                     poller = select.poll()
                     poller.register(fd, select.POLLPRI | select.POLLERR)
-                poller.poll(min(IDLE_INTERVAL_MS, max(1, int((deadline - now) * 1000))))
+                interval_ms = 1 if waited < 0.05 else 20
+                poller.poll(min(interval_ms, max(1, int((deadline - now) * 1000))))
         finally:
             os.close(fd)
 
