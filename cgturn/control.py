@@ -170,7 +170,9 @@ class TurnControl:
         # The refusal comes before the mark, so a refused abandon changes nothing. Where the backend
         # can answer from the names (a cgroup's member list) and the answer is no, the record is not
         # read first: the mark reads it under the lock, and a turn that is gone is skipped there.
-        if self.backend.contains_caller_at(task_key, turn_key) is not False:
+        # The members read for it are the first kill's check, the mark (~0.07 ms) in between.
+        checked = self.backend.checked_members_at(task_key, turn_key)
+        if checked is None:
             rec = self.backend.load(task_key, turn_key)
             if rec is None:
                 return AbandonResult(skipped=True, reason=reason)
@@ -192,7 +194,7 @@ class TurnControl:
             self.governance.audit_limits_quietly(task, turn, usage, marked)
 
         result = killing.kill_turn(self.backend, rec, reason, grace, self.state_dir, before_removal=audit_limits,
-                                   limiter=self.governance.limiter)
+                                   limiter=self.governance.limiter, checked=checked)
         self._ended(rec, result)
         return result
 

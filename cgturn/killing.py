@@ -45,20 +45,25 @@ def refuse_if_caller_inside(backend: Backend, rec: TurnRecord, verb: str = "kill
 
 
 def kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, state_dir: str,
-              before_removal: BeforeRemoval | None = None, limiter: "Limiter | None" = None) -> AbandonResult:
+              before_removal: BeforeRemoval | None = None, limiter: "Limiter | None" = None,
+              checked: list[int] | None = None) -> AbandonResult:
     """Kill everything the turn at `rec`'s directory holds, remove it, audit it.
 
     Args:
         rec: read from the turn's directory (its names are the directory's), already marked abandoned.
         before_removal: called once the turn is empty, with what it used, before its cgroup goes.
         limiter: the backend's limits capability: a dying turn's CPU quota is lifted through it.
+        checked: the turn's members as Backend.checked_members_at read them for the refusal just
+            before the mark: the check of a first kill that follows at once (grace 0). A SIGTERM, and
+            every kill after a wait, reads and checks the members again.
     """
     with procfs.protected_once():
-        return _kill_turn(backend, rec, reason, grace, state_dir, before_removal, limiter)
+        return _kill_turn(backend, rec, reason, grace, state_dir, before_removal, limiter, checked)
 
 
 def _kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, state_dir: str,
-               before_removal: BeforeRemoval | None, limiter: "Limiter | None") -> AbandonResult:
+               before_removal: BeforeRemoval | None, limiter: "Limiter | None",
+               checked: list[int] | None) -> AbandonResult:
     """kill_turn, its protected processes read once (procfs.protected_once) and again after every
     wait that did not end in an empty turn: a grace period, a kill that left something behind."""
     started = time.monotonic()
@@ -67,23 +72,27 @@ def _kill_turn(backend: Backend, rec: TurnRecord, reason: str, grace: float, sta
     empty = False
     usage = None
     if grace > 0:
+        checked = None  # the kill after the grace's wait reads the members again
+        signalled_at = time.monotonic()
         hit = backend.signal_members(rec, signal.SIGTERM)
         if hit:
             killed.update(hit)
             signals.append("SIGTERM")
-            empty = backend.wait_empty(rec, grace)
+            empty = backend.wait_empty(rec, grace, signalled_at)
             procfs.reread_protected()
         else:
             empty = backend.wait_empty(rec, 0)
     for _ in range(KILL_ATTEMPTS):
         if not empty:
-            hit = backend.kill_members(rec)
+            signalled_at = time.monotonic()
+            hit = backend.kill_members(rec, checked)
+            checked = None  # a kill that left something is followed by one that reads them again
             if limiter is not None:
                 limiter.unthrottle(rec)  # the dying processes may exit on every core, not within a quota
             killed.update(hit)
             if hit and "SIGKILL" not in signals:
                 signals.append("SIGKILL")
-            empty = backend.wait_empty(rec, KILL_WAIT)
+            empty = backend.wait_empty(rec, KILL_WAIT, signalled_at)
             if not empty:
                 procfs.reread_protected()
         if empty and usage is None:

@@ -18,7 +18,7 @@ from cgturn.limits import Limits, Usage
 
 CORE = {
     "create_turn", "load", "records", "transition", "task_lock", "spawn", "adopt", "members", "contains_caller",
-    "contains_caller_at",
+    "checked_members_at",
     "turn_of", "enter", "leave", "signal_members", "kill_members", "freeze_members", "kill_where", "wait_empty",
     "remove", "remove_task", "task_keys", "turn_usage", "turn_frozen", "strays", "kill_stray", "ensure_root",
     "remove_root", "cgroup_dir", "views", "close", "scope", "location", "env_for",

@@ -8,13 +8,16 @@ import signal
 import subprocess
 import textwrap
 import threading
+import time
 from dataclasses import replace
 
 import pytest
 
 from cgturn import TurnManager
+from cgturn.backends.cgroup2_killer import CgroupKiller
 from cgturn.errors import UnsafeOperation
 from cgturn.kernel import ancestry, procfs
+from cgturn.kernel.cgroupfs import Cgroup
 from cgturn.sentinel_start import SENTINEL_NAME
 from conftest import PY, alive, cgturn_env, wait_until
 
@@ -224,6 +227,36 @@ def test_a_turn_holding_the_caller_is_still_refused(cgroup2_manager):
         cgroup2_manager.leave_turn()
     assert turn.state == "running"
     turn.abandon("test", grace=0)
+
+
+@pytest.mark.parametrize("grace", [0, 5])
+def test_an_abandons_first_kill_takes_the_member_reading_made_before_its_mark(cgroup2_manager, monkeypatch,
+                                                                               grace):
+    """grace 0: the turn's members are read once, for the refusal before the mark, and the kill that
+    follows takes them as its check and as the pids it hit. With a grace period the SIGTERM and the
+    kill after its wait read them again (processes may have come and gone meanwhile)."""
+    turn = cgroup2_manager.begin_turn("fast", "one-read")
+    proc = turn.spawn(["sh", "-c", "trap '' TERM; echo ready; exec sleep 300"], stdout=subprocess.PIPE)
+    assert proc.stdout.readline() == b"ready\n"
+    turn_dir = cgroup2_manager.backend.cgroup_dir(turn.record)
+    reads: list[str] = []
+    real = Cgroup.procs_recursive
+    monkeypatch.setattr(Cgroup, "procs_recursive", lambda self: (reads.append(self.path), real(self))[1])
+    result = turn.abandon("test", grace=grace and 0.2)
+    proc.wait(timeout=BOUND)
+    proc.stdout.close()
+    assert result.killed == [proc.pid] and result.signals == (["SIGTERM", "SIGKILL"] if grace else ["SIGKILL"])
+    assert reads.count(turn_dir) == (3 if grace else 1)
+
+
+def test_a_kill_given_a_reading_still_refuses_a_cgroup_outside_the_root(cgroup2_manager, cgroup2_root):
+    outside = Cgroup(f"{cgroup2_root}-outside")  # the test's own, empty: beside the managed root
+    outside.make()
+    try:
+        with pytest.raises(UnsafeOperation, match="outside the managed root"):
+            cgroup2_manager.backend.killer.kill(outside, checked=[])
+    finally:
+        os.rmdir(outside.path)
 
 
 def test_the_c_library_is_loaded_without_running_a_program():
@@ -529,8 +562,6 @@ def test_the_help_width_is_shutils(monkeypatch):
 # --- what a small turn's complete and abandon no longer do (issue "Performance II", item 1) ----------------
 
 def test_a_completion_reads_no_cgroup_events_its_rmdir_is_the_check(cgroup2_manager, monkeypatch):
-    from cgturn.kernel.cgroupfs import Cgroup
-
     waits: list[str] = []
     real = Cgroup.wait_events
     monkeypatch.setattr(Cgroup, "wait_events", lambda self, *a, **kw: waits.append(self.path) or real(self, *a, **kw))
@@ -583,7 +614,6 @@ def test_leaving_a_turn_without_v1_limits_writes_only_cgroup2(cgroup2_manager, m
     v1 hierarchies, whose cgroups cgturn did not create. A turn with a v1 limit (a hybrid host) still
     brings the caller back to its own v1 cgroups."""
     from cgturn import Limits
-    from cgturn.kernel.cgroupfs import Cgroup
 
     written: list[str] = []
     real_move_in = Cgroup.move_in
@@ -614,3 +644,58 @@ def test_leaving_a_turn_without_v1_limits_writes_only_cgroup2(cgroup2_manager, m
         assert f.read() == original, "the caller was not brought back to its own cgroups"
     plain.abandon("test", grace=0)
     limited.abandon("test", grace=0)
+
+
+def test_a_wait_spins_only_within_its_window_from_when_the_signal_went(cgroup2_manager, monkeypatch):
+    """The spin on cgroup.events is counted from `spin_from` when given: a wait that starts after
+    the window (a kill write the woken processes preempted for milliseconds) sleeps in poll(2) at
+    once, so they keep the CPU; without it the window starts with the wait."""
+    turn = cgroup2_manager.begin_turn("fast", "window")
+    proc = turn.spawn(["sleep", "300"])
+    assert wait_until(lambda: turn.pids() == [proc.pid])
+    events = Cgroup(cgroup2_manager.backend.cgroup_dir(turn.record))
+    yields: list[int] = []
+    real_yield = os.sched_yield
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(1) or real_yield())
+    assert events.wait_unpopulated(0.03, spin_from=time.monotonic() - 1) is False
+    assert yields == []
+    assert events.wait_unpopulated(0.03) is False
+    assert yields  # it spun at first
+    monkeypatch.undo()
+    turn.abandon("test", grace=0)
+    proc.wait(timeout=BOUND)
+
+
+@pytest.mark.parametrize("grace", [0, 5])
+def test_the_wait_after_a_signal_counts_its_spin_from_the_signal(cgroup2_manager, monkeypatch, grace):
+    sent: list[float] = []
+    spins: list[float | None] = []
+    real_kill, real_wait = Cgroup.kill, Cgroup.wait_unpopulated
+    real_signal = CgroupKiller.signal
+
+    def kill(self):
+        sent.append(time.monotonic())
+        real_kill(self)
+
+    def signal_(self, *a, **kw):
+        sent.append(time.monotonic())
+        return real_signal(self, *a, **kw)
+
+    def wait(self, timeout, spin_from=None):
+        spins.append(spin_from)
+        return real_wait(self, timeout, spin_from)
+
+    monkeypatch.setattr(Cgroup, "kill", kill)
+    monkeypatch.setattr(CgroupKiller, "signal", signal_)
+    monkeypatch.setattr(Cgroup, "wait_unpopulated", wait)
+    turn = cgroup2_manager.begin_turn("fast", "spin-from")
+    # The SIGTERM is ignored, so the grace runs out and the SIGKILL follows with a wait of its own.
+    proc = turn.spawn(["sh", "-c", "trap '' TERM; echo ready; exec sleep 300"], stdout=subprocess.PIPE)
+    assert proc.stdout.readline() == b"ready\n"
+    began = time.monotonic()
+    turn.abandon("test", grace=grace and 0.2)
+    proc.wait(timeout=BOUND)
+    proc.stdout.close()
+    assert len(spins) == len(sent) == (2 if grace else 1)
+    for spin_from, signalled in zip(spins, sent):
+        assert spin_from is not None and began <= spin_from <= signalled

@@ -122,10 +122,13 @@ class Backend(abc.ABC):
         """True if the calling process is one of the turn's processes (killing it is refused)."""
 
     @abc.abstractmethod
-    def contains_caller_at(self, task_key: str, turn_key: str) -> bool | None:
-        """`contains_caller` of the turn at these encoded names, asked without its record; None when
-        this backend needs the record to answer. An abandon that gets False marks the turn without
-        reading its record first (the mark reads it under the lock anyway)."""
+    def checked_members_at(self, task_key: str, turn_key: str) -> list[int] | None:
+        """The members of the turn at these encoded names, read to answer `contains_caller` without
+        its record: their pids when none is the caller, one of its ancestors or PID 1 ([] for a turn
+        that is gone); None when this backend needs the record to answer, or a protected process is
+        among them (the record then names the turn in the refusal). An abandon that gets a list marks
+        the turn without reading its record first (the mark reads it under the lock anyway), and its
+        first kill, which follows at once, takes the list as its check (`kill_members`' `checked`)."""
 
     @abc.abstractmethod
     def turn_of(self, pid: int) -> tuple[str, str] | None:
@@ -148,8 +151,11 @@ class Backend(abc.ABC):
         namespace's init is reached through its target (it forwards what it gets), not signalled."""
 
     @abc.abstractmethod
-    def kill_members(self, record: TurnRecord) -> list[int]:
-        """SIGKILL every member, as race-free against forks as the backend can; pids hit."""
+    def kill_members(self, record: TurnRecord, checked: list[int] | None = None) -> list[int]:
+        """SIGKILL every member, as race-free against forks as the backend can; pids hit. `checked`:
+        the members as `checked_members_at` read them just before (an abandon's first kill, its mark
+        in between), taken as the refusal's check and the pids hit instead of reading them again;
+        a backend that signals member by member reads them all the same."""
 
     @abc.abstractmethod
     def freeze_members(self, record: TurnRecord, frozen: bool) -> list[int]:
@@ -161,8 +167,10 @@ class Backend(abc.ABC):
         """Hold the turn still (freeze/SIGSTOP), SIGKILL members with doomed(pid, start), resume."""
 
     @abc.abstractmethod
-    def wait_empty(self, record: TurnRecord, timeout: float) -> bool:
-        """Wait, event-driven, until the turn has no live process; True if it got there in time."""
+    def wait_empty(self, record: TurnRecord, timeout: float, signalled_at: float | None = None) -> bool:
+        """Wait, event-driven, until the turn has no live process; True if it got there in time.
+        `signalled_at`: the monotonic time its processes were sent the signal the wait is for (a
+        cgroup waits busily only at first after it: cgroupfs.Cgroup.wait_events' `spin_from`)."""
 
     @abc.abstractmethod
     def remove(self, record: TurnRecord) -> bool:

@@ -369,14 +369,14 @@ class Cgroup2Backend(Backend):
     def contains_caller(self, record) -> bool:
         """True when the turn holds the caller, one of its ancestors or PID 1: what the killer refuses
         to kill, asked before an abandon marks the turn, so a refused abandon changes nothing."""
-        return self.contains_caller_at(record.task_key, record.turn_key)
+        return self.checked_members_at(record.task_key, record.turn_key) is None
 
-    def contains_caller_at(self, task_key: str, turn_key: str) -> bool:
+    def checked_members_at(self, task_key: str, turn_key: str) -> list[int] | None:
         """The cgroup's member list answers (`contains_caller`); a turn that is gone holds nobody."""
-        return self.killer.protected_inside(self.turn_cgroup(task_key, turn_key)) is not None
+        return self.killer.unprotected_members(self.turn_cgroup(task_key, turn_key))
 
-    def wait_empty(self, record, timeout) -> bool:
-        return self._cg(record).wait_unpopulated(timeout)
+    def wait_empty(self, record, timeout, signalled_at=None) -> bool:
+        return self._cg(record).wait_unpopulated(timeout, spin_from=signalled_at)
 
     def remove(self, record) -> bool:
         cg = self._cg(record)
@@ -489,10 +489,10 @@ class Cgroup2Backend(Backend):
         finally:
             self._pay_stamp(cg)  # an abandon's mark (stamp_later): listings learn of it now
 
-    def kill_members(self, record) -> list[int]:
+    def kill_members(self, record, checked=None) -> list[int]:
         cg = self._cg(record)
         try:
-            return self.killer.kill(cg)
+            return self.killer.kill(cg, checked)
         finally:
             self._pay_stamp(cg)
 

@@ -68,12 +68,13 @@ class CgroupKiller:
             return True
         return os.path.realpath(cg.path).startswith(os.path.realpath(self.root.path) + "/")
 
-    def protected_inside(self, cg: Cgroup) -> str | None:
-        """Which protected process (the caller, an ancestor of it, PID 1) `cg` or a cgroup below it
-        holds; None if none. The kernel's own list of the subtree's members (cgroup.procs) answers,
-        not each protected process's /proc/PID/cgroup: one read per cgroup of the turn instead of
-        two per protected process, and no path to translate between cgroup namespaces."""
-        return _protected_among(cg.procs_recursive())
+    def unprotected_members(self, cg: Cgroup) -> list[int] | None:
+        """The pids of `cg`'s subtree, or None when the caller, an ancestor of it or PID 1 is among
+        them. The kernel's own list of the subtree's members (cgroup.procs) answers, not each
+        protected process's /proc/PID/cgroup: one read per cgroup of the turn instead of two per
+        protected process, and no path to translate between cgroup namespaces."""
+        pids = cg.procs_recursive()
+        return None if _protected_among(pids) is not None else pids
 
     def under(self, cg: Cgroup, rel: str) -> bool:
         """True when the /proc/PID/cgroup path `rel` is `cg` or below it."""
@@ -100,9 +101,15 @@ class CgroupKiller:
         finally:
             os.close(fd)
 
-    def kill(self, cg: Cgroup) -> list[int]:
-        """SIGKILL `cg`'s subtree: cgroup.kill, else freeze-and-kill; the pids hit."""
-        pids = self._refuse_protected(cg)
+    def kill(self, cg: Cgroup, checked: list[int] | None = None) -> list[int]:
+        """SIGKILL `cg`'s subtree: cgroup.kill, else freeze-and-kill; the pids hit. `checked`: its
+        members as `unprotected_members` read them just before (Backend.kill_members)."""
+        if checked is None:
+            pids = self._refuse_protected(cg)
+        elif self.inside_root(cg):
+            pids = checked
+        else:
+            raise UnsafeOperation(f"refusing to kill {cg.path}: outside the managed root {self.root.path}")
         if self.cgroup_kill_works:
             try:
                 cg.kill()

@@ -292,7 +292,7 @@ class RegistryBackend(Backend):
         # from), but never from PID 1, whose descendants are everything.
         return (me, mine) in self._collect(record, Snapshot(self.scope), protected={1})
 
-    def contains_caller_at(self, task_key, turn_key) -> None:
+    def checked_members_at(self, task_key, turn_key) -> None:
         return None  # the recorded members answer: the record is needed
 
     # --- killing ----------------------------------------------------------------------------------
@@ -307,8 +307,8 @@ class RegistryBackend(Backend):
     def signal_members(self, record, sig) -> list[int]:
         return self.killer.signal(record, sig)
 
-    def kill_members(self, record) -> list[int]:
-        return self.killer.kill(record)
+    def kill_members(self, record, checked=None) -> list[int]:
+        return self.killer.kill(record)  # signals member by member: reads and checks them itself
 
     def freeze_members(self, record, frozen: bool) -> list[int]:
         return self.killer.freeze(record, frozen)
@@ -316,7 +316,7 @@ class RegistryBackend(Backend):
     def kill_where(self, record, doomed) -> list[int]:
         return self.killer.kill_where(record, doomed)
 
-    def wait_empty(self, record, timeout) -> bool:
+    def wait_empty(self, record, timeout, signalled_at=None) -> bool:  # woken by exits (pidfds): no spin to bound
         deadline = time.monotonic() + max(timeout, 0.0)
         while True:
             members = self.members(record)
