@@ -26,6 +26,7 @@ import errno
 import json
 import os
 import random
+import select
 import statistics
 import subprocess
 import sys
@@ -40,7 +41,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # tests/escapers.py: the 
 import psutil  # noqa: E402
 
 from benchlib import (  # noqa: E402
-    SHIM, bench_root, cgturn_abandon, churn, destroy, ms, time_spawn, tree_argv, wait_count)
+    SHIM, bench_root, cgroup_members, cgturn_abandon, churn, destroy, ms, time_spawn, tree_argv, wait_settled)
 
 from cgturn import TurnManager  # noqa: E402
 from cgturn.testing import spawn_paths_available  # noqa: E402
@@ -56,7 +57,7 @@ def psutil_recipe(mgr: TurnManager, n: int) -> tuple[float, float]:
     """
     turn = mgr.begin_turn("bench-psutil")
     proc = turn.spawn(tree_argv(n))
-    wait_count(lambda: len(turn.pids()), n)
+    wait_settled(turn.pids, n)
     t0 = time.perf_counter()
     parent = psutil.Process(proc.pid)
     victims = parent.children(recursive=True) + [parent]
@@ -77,21 +78,33 @@ def kernel_floor(parent: str, n: int) -> float:
     """The kernel's own work of an abandon, timed alone on the same tree as cgturn's row: write
     cgroup.kill, re-read cgroup.events until it says `populated 0`, rmdir (again while EBUSY).
 
-    The file is re-read back to back, as fast as Python can, with sched_yield(2) between reads so the
-    dying processes get the CPU on a small machine; no poll(2): the kernel rate-limits cgroup.events
-    notifications (10 ms, kernel/cgroup/cgroup.c), so a poll timeout would time the timeout. The tree
-    is put in place as benchlib.floor_abandon does (mkdir, the shim joins it, n processes), untimed.
+    The file is re-read as cgturn's own wait re-reads it (cgroupfs.Cgroup.wait_events), written
+    here with the standard library alone: back to back for the first 5 ms after the kill began,
+    with sched_yield(2) between reads so the dying processes get the CPU on a small machine, then
+    at least every 1 ms asleep in poll(2). Not poll(2) from the start: the kernel rate-limits
+    cgroup.events notifications (10 ms, kernel/cgroup/cgroup.c), so a poll timeout would time the
+    timeout. Not a spin to the end either: a kill of 100 processes here often returns from the
+    write only after 2-8 ms (the processes it woke preempt the writer and queue on its CPU), and
+    a spin after that takes the CPU they need: such a floor's median was 10.5-12 ms where this
+    one's is 8.5-9.1 ms, its 90th percentile 48-60 ms against 11-14 ms (150-300 rounds each).
+    The tree is put in place as benchlib.floor_abandon does (mkdir, the shim joins it, n
+    processes), and left to come to rest (benchlib.wait_settled), untimed.
     """
     path = os.path.join(parent, f"floor-{uuid.uuid4().hex[:8]}")
     os.mkdir(path)
     proc = subprocess.Popen(["/bin/sh", "-c", SHIM, os.path.join(path, "cgroup.procs"), *tree_argv(n)])
-    wait_count(lambda: len(open(os.path.join(path, "cgroup.procs")).read().split()), n)
+    wait_settled(cgroup_members(path), n)
     events = os.open(os.path.join(path, "cgroup.events"), os.O_RDONLY)
     kill = os.open(os.path.join(path, "cgroup.kill"), os.O_WRONLY)
+    poller = select.poll()
+    poller.register(events, select.POLLPRI)
     t0 = time.perf_counter()
     os.write(kill, b"1")
     while b"populated 0" not in os.pread(events, 4096, 0):
-        os.sched_yield()
+        if time.perf_counter() - t0 < FLOOR_SPIN:
+            os.sched_yield()
+        else:
+            poller.poll(1)
     while not _removed(path):  # EBUSY while the kernel finishes its own bookkeeping
         pass
     elapsed = time.perf_counter() - t0
@@ -99,6 +112,10 @@ def kernel_floor(parent: str, n: int) -> float:
         os.close(fd)
     proc.wait()
     return elapsed
+
+
+# How long the floor re-reads cgroup.events back to back after the kill (cgroupfs.SPIN_FOR).
+FLOOR_SPIN = 0.005
 
 
 def _removed(path: str) -> bool:
@@ -123,15 +140,28 @@ def _load(before: float) -> str:
     return f"load {before:.1f} before / {os.getloadavg()[0]:.1f} after"
 
 
+# Trees of up to this many processes: the floor and cgroup2 rows get at least --small-rounds rounds.
+SMALL_TREE = 100
+
+
 def abandon_rows(root_mgr: TurnManager, floor_dir: str, state_root: str, sizes: list[int],
-                 rounds: int, registry: bool = True) -> list[dict]:
+                 rounds: int, small_rounds: int, registry: bool = True) -> list[dict]:
+    """Per size: the kernel floor and cgroup2 in the same rounds, taking turns at going first (either
+    order alone would leave one row the other's aftermath: its PID 1 reaping, its cgroup's release),
+    and the registry and psutil rows in the first `rounds` of them.
+
+    A small tree's kill takes well under 1 ms to ~50 ms here, a few times more at the 90th
+    percentile than at the median (the dying processes wake on both virtual CPUs), so the rows of
+    trees of up to SMALL_TREE processes take the medians of at least `small_rounds` rounds.
+    """
     rows = []
     for n in sizes:
         got = {"floor": [], "cgroup2": [], "registry": [], "psutil dead": [], "psutil wait_procs": []}
-        for _ in range(rounds):
-            got["floor"].append(kernel_floor(floor_dir, n))
-            got["cgroup2"].append(cgturn_abandon(root_mgr, n))
-            if not registry:  # --abandon-only: the floor and cgroup2 alone, back to back
+        for i in range(max(rounds, small_rounds) if n <= SMALL_TREE else rounds):
+            pair = [("floor", lambda: kernel_floor(floor_dir, n)), ("cgroup2", lambda: cgturn_abandon(root_mgr, n))]
+            for name, measure in pair if i % 2 == 0 else reversed(pair):
+                got[name].append(measure())
+            if not registry or i >= rounds:  # --abandon-only: the floor and cgroup2 alone
                 continue
             with registry_manager(state_root) as reg:
                 got["registry"].append(cgturn_abandon(reg, n))
@@ -552,6 +582,9 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--small-rounds", type=int, default=40,
+                    help=f"at least this many rounds of the floor and cgroup2 abandon rows of trees of up to "
+                         f"{SMALL_TREE} processes")
     ap.add_argument("--sizes", default="1,10,100,500,1000")
     ap.add_argument("--spawns", type=int, default=200)
     ap.add_argument("--turns", type=int, default=1000)
@@ -566,6 +599,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.sizes, args.spawns, args.turns, args.per_turn = 1, "1,10,100", 50, 100, 100
+        args.small_rounds = 5
     sizes = [int(s) for s in args.sizes.split(",")]
     root = bench_root()
     if root is None:
@@ -586,11 +620,12 @@ def main() -> int:
                 os.mkdir(os.path.join(root, "floor"))
                 with TurnManager(root=os.path.join(root, "main"), backend="cgroup2",
                                  state_dir=os.path.join(state, "main")) as mgr:
-                    abandon = abandon_rows(mgr, os.path.join(root, "floor"), state, sizes, args.rounds, registry=False)
+                    abandon = abandon_rows(mgr, os.path.join(root, "floor"), state, sizes, args.rounds, args.small_rounds,
+                                           registry=False)
             finally:
                 destroy(root)
             print(f"cgturn abandon bench on {os.uname().release}, {os.cpu_count()} CPUs, Python "
-                  f"{sys.version.split()[0]}, rounds={args.rounds}, total {time.monotonic() - started:.0f} s, "
+                  f"{sys.version.split()[0]}, rounds={args.rounds} (small trees {args.small_rounds}), total {time.monotonic() - started:.0f} s, "
                   f"{_load(load_before)}")
             print_abandon_targets(abandon)
             return 0
@@ -616,7 +651,7 @@ def main() -> int:
             os.mkdir(os.path.join(root, "floor"))
             with TurnManager(root=os.path.join(root, "main"), backend="cgroup2",
                              state_dir=os.path.join(state, "main")) as mgr:
-                abandon = abandon_rows(mgr, os.path.join(root, "floor"), state, sizes, args.rounds)
+                abandon = abandon_rows(mgr, os.path.join(root, "floor"), state, sizes, args.rounds, args.small_rounds)
                 escaped = escaper_rows(mgr, state)
                 print("  escapers done", file=sys.stderr, flush=True)
                 spawn = spawn_rows(mgr, state, args.spawns)
@@ -636,7 +671,8 @@ def main() -> int:
         finally:
             destroy(root)
     print(f"cgturn bench on {os.uname().release}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
-          f"rounds={args.rounds}, total {time.monotonic() - started:.0f} s, {_load(load_before)}")
+          f"rounds={args.rounds} (small trees' abandon {args.small_rounds}), total {time.monotonic() - started:.0f} s, "
+          f"{_load(load_before)}")
     print_table(abandon, escaped, spawn, churn_rates, per_turn, listing)
     bench_aio.print_results(async_turn, args.per_turn)
     print()
