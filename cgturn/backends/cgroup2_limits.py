@@ -14,13 +14,14 @@ runs, as they join the turn's cgroup2 directory (spawn's gate), and they are rem
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 
-from ..errors import LimitsUnavailable
+from ..errors import KernelError, LimitsUnavailable
 from ..kernel import controllers, parsers, procfs
-from ..kernel.cgroupfs import Cgroup, read_text
+from ..kernel.cgroupfs import CONTROLLERS_FILE, Cgroup, read_text
 from ..kernel.controllers import V1, V2, Place
 from ..limits import NO_LIMITS, Limits, Usage
 
@@ -71,7 +72,7 @@ class Layout:
         if self._recorded() is not None:
             self._places = self._recorded()
             return
-        places, _ = self._decide()
+        places = self._enable_v2(self.root, self._decide()[0])  # less what the parent took back meanwhile
         data = json.dumps({name: place.to_json() for name, place in places.items()}).encode()
         try:
             self.root.set_xattr(LAYOUT_KEY, data, create=True)
@@ -82,7 +83,6 @@ class Layout:
                         os.strerror(err.errno or 0))
             places = {}
         self._places = places
-        self.enable_v2(self.root)
 
     def _recorded(self) -> dict[str, Place] | None:
         raw = self.root.get_xattr(LAYOUT_KEY) if os.path.isdir(self.root.path) else None
@@ -115,13 +115,39 @@ class Layout:
     def enable_v2(self, cg: Cgroup) -> None:
         """Enable the v2 controllers in the subtree of `cg` (the managed root or a task directory,
         both made by cgturn). EBUSY means processes sit in `cg` (the no-internal-processes rule)."""
-        wanted = [name for name, place in self.places().items() if place.version == V2]
+        self._enable_v2(cg, self.places())
+
+    def _enable_v2(self, cg: Cgroup, places: dict[str, Place]) -> dict[str, Place]:
+        """enable_v2 with `places`; returns them less the v2 controllers `cg`'s parent no longer offers.
+
+        A controller the layout counted on may have left the parent since it was read (ENOENT: the
+        kernel refuses the whole write). systemd takes a controller off a cgroup's subtree_control
+        when no unit of its own needs it any more, and a managed root outside a delegated unit sees
+        it go (the test host's `+memory +pids +cpu` failed so while a user logged out). The root then
+        enables and records what is left, and the log names the rest, whose limits are refused. Once
+        enabled on the root, a controller stays: the kernel refuses to take it off the parent.
+        """
+        wanted = [name for name, place in places.items() if place.version == V2]
         if not wanted:
-            return
+            return places
         try:
             cg.write(SUBTREE_CONTROL, " ".join(f"+{name}" for name in wanted))
+            return places
         except FileNotFoundError:
-            pass
+            return places
+        except KernelError as err:
+            if err.errno != errno.ENOENT:
+                raise
+        try:
+            offered = parsers.parse_controllers(cg.read(CONTROLLERS_FILE))
+        except FileNotFoundError:
+            return places
+        left = [name for name in wanted if name in offered]
+        if left:
+            cg.write(SUBTREE_CONTROL, " ".join(f"+{name}" for name in left))
+        log.warning("controllers %s are no longer delegated to %s (its parent's cgroup.subtree_control changed): "
+                    "limits on them are unavailable", ", ".join(name for name in wanted if name not in left), cg.path)
+        return {name: place for name, place in places.items() if place.version != V2 or name in left}
 
     # --- v1 directories -------------------------------------------------------------------------------
 

@@ -176,6 +176,47 @@ def test_a_partly_delegated_unit_offers_what_it_delegates_and_refuses_the_rest(u
     assert read(turn_dir(mgr, turn), "pids.max") == "10"
 
 
+
+@pytest.mark.parametrize("unit_manager", ["+pids +memory"], indirect=True)
+def test_a_controller_that_leaves_the_parent_after_the_layout_was_read_does_not_stop_turns(unit_manager, caplog,
+                                                                                           monkeypatch):
+    """systemd takes a controller off a cgroup's subtree_control when no unit of its own needs it
+    any more (seen in this guest while a user logged out: the managed root's `+memory +pids +cpu`
+    failed with ENOENT and begin_turn raised). Here the delegatee does the same to the unit right
+    after the layout read it (the wrapper only fixes when; the kernel refuses the write): the turn
+    starts with what is left."""
+    mgr = unit_manager
+    unit = os.path.dirname(mgr.root)
+    layout_class = type(mgr.backend.layout)
+    real_decide = layout_class._decide
+
+    def decide_then_lose_memory(self):
+        decided = real_decide(self)
+        if os.path.isdir(mgr.root):  # the reading that is recorded on the root just made
+            with open(f"{unit}/cgroup.subtree_control", "w") as f:
+                f.write("-memory")
+        return decided
+
+    monkeypatch.setattr(layout_class, "_decide", decide_then_lose_memory)
+    turn = mgr.begin_turn("after", "t1")
+    monkeypatch.undo()
+    task = os.path.dirname(turn_dir(mgr, turn))
+    assert read(mgr.root, "cgroup.subtree_control") == read(task, "cgroup.subtree_control") == "pids"
+    assert read(turn_dir(mgr, turn), "pids.max") == "max"
+    assert [r.getMessage() for r in caplog.records if "no longer delegated" in r.getMessage()] == [
+        f"controllers memory are no longer delegated to {mgr.root} (its parent's cgroup.subtree_control changed): "
+        "limits on them are unavailable"]
+    # What the root recorded is what it has: a memory limit is refused, for this manager and the next.
+    assert sorted(mgr.backend.layout.places()) == ["pids"]
+    with pytest.raises(LimitsUnavailable, match="memory"):
+        mgr.begin_turn("after", "t2", limits=Limits(memory_max=50 * MiB))
+    later = TurnManager(root=mgr.root, backend="cgroup2", state_dir=mgr.state_dir)
+    try:
+        assert sorted(later.backend.layout.places()) == ["pids"]
+    finally:
+        later.close()
+    turn.complete()
+
 # --- 2. memory.max and memory.oom.group ------------------------------------------------------------------
 
 def test_memory_max_oom_kills_the_whole_turn_by_default(unit_manager):
