@@ -72,17 +72,23 @@ class Layout:
         if self._recorded() is not None:
             self._places = self._recorded()
             return
-        places = self._enable_v2(self.root, self._decide()[0])  # less what the parent took back meanwhile
-        data = json.dumps({name: place.to_json() for name, place in places.items()}).encode()
+        places, _ = self._decide()
         try:
-            self.root.set_xattr(LAYOUT_KEY, data, create=True)
+            self.root.set_xattr(LAYOUT_KEY, _layout_json(places), create=True)
         except FileExistsError:
             places = self._recorded() or places
         except OSError as err:
             log.warning("cannot record the controller layout on %s (%s); limits unavailable", self.root.path,
                         os.strerror(err.errno or 0))
             places = {}
-        self._places = places
+        enabled = self._enable_v2(self.root, places)
+        if enabled != places:  # the parent took a controller back meanwhile: record what the root has
+            try:
+                self.root.set_xattr(LAYOUT_KEY, _layout_json(enabled))
+            except OSError as err:
+                log.warning("cannot record the controller layout on %s (%s)", self.root.path,
+                            os.strerror(err.errno or 0))
+        self._places = enabled
 
     def _recorded(self) -> dict[str, Place] | None:
         raw = self.root.get_xattr(LAYOUT_KEY) if os.path.isdir(self.root.path) else None
@@ -273,6 +279,11 @@ class Layout:
 _PROBES = {"memory_max": Limits(memory_max=2 ** 30), "memory_high": Limits(memory_high=2 ** 30),
            "swap_max": Limits(memory_max=2 ** 30, swap_max=0), "pids_max": Limits(pids_max=100),
            "cpus": Limits(cpus=1.0), "cpu_weight": Limits(cpu_weight=100), "oom_group": Limits(oom_group=True)}
+
+
+def _layout_json(places: dict[str, Place]) -> bytes:
+    """The managed root's recorded layout (LAYOUT_KEY): controller -> its place."""
+    return json.dumps({name: place.to_json() for name, place in places.items()}).encode()
 
 
 def unsupported_fields(places: dict[str, Place]) -> dict[str, str]:
