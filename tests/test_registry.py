@@ -337,6 +337,36 @@ def test_subreaper_reaps_attributed_orphans(registry, recipe):
     assert wait_until(lambda: procfs.stat(orphan) is None, 5), procfs.stat(orphan)
 
 
+def test_an_orphan_whose_environment_reads_empty_once_is_looked_at_again(registry, monkeypatch):
+    """Read in the middle of an execve(2), /proc/PID/environ is empty (the new image's environment is
+    not in place yet). The collector read it so once and ignored the orphan for good: it was left a
+    zombie of ours (a clean-clone CI run). Here the collector's first read of each orphan is made to
+    return that; the orphan must still be attributed on a later sweep and reaped once it exits."""
+    import threading
+
+    from cgturn.backends.orphans import OrphanCollector
+
+    real = procfs.environ
+    read_once: set[int] = set()
+
+    def environ(pid, *args, **kwargs):
+        if isinstance(threading.current_thread(), OrphanCollector) and pid not in read_once:
+            read_once.add(pid)
+            return {}
+        return real(pid, *args, **kwargs)
+
+    monkeypatch.setattr(procfs, "environ", environ)
+    mgr = registry(subreaper=True)
+    turn = mgr.begin_turn("orphans", "mid-exec")
+    p = turn.spawn(["sh", "-c", "sleep 1 & echo $!"], stdout=subprocess.PIPE)
+    orphan = int(p.stdout.readline())
+    p.wait(timeout=5)
+    p.stdout.close()
+    assert wait_until(lambda: procfs.stat(orphan) is None or procfs.stat(orphan).ppid == os.getpid(), 5)
+    assert wait_until(lambda: orphan in read_once, 5)
+    assert wait_until(lambda: procfs.stat(orphan) is None, 10), procfs.stat(orphan)
+
+
 def test_subreaper_never_steals_a_popen_exit_status(registry):
     mgr = registry(subreaper=True)
     turn = mgr.begin_turn("popen", "t")

@@ -149,7 +149,12 @@ class OrphanCollector(threading.Thread):
                 # whose it is, and it may be a child some Popen will wait for.
                 self.ignored.add(member)
                 continue
-            if turn_tag(procfs.environ(pid), self.scope) is None:
+            env = procfs.environ(pid)
+            if not env:
+                # Unreadable, or read in the middle of an execve(2): the new image's environment is
+                # not in place yet and reads empty. Looked at again on the next sweep, not ignored.
+                continue
+            if turn_tag(env, self.scope) is None:
                 self.ignored.add(member)
                 continue
             fd = procfs.open_pidfd(pid, st.start_time)
