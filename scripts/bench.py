@@ -74,6 +74,10 @@ def psutil_recipe(mgr: TurnManager, n: int) -> tuple[float, float]:
     return dead, reaped
 
 
+# How long the floor re-reads cgroup.events back to back after the kill (cgroupfs.SPIN_FOR).
+FLOOR_SPIN = 0.005
+
+
 def kernel_floor(parent: str, n: int) -> float:
     """The kernel's own work of an abandon, timed alone on the same tree as cgturn's row: write
     cgroup.kill, re-read cgroup.events until it says `populated 0`, rmdir (again while EBUSY).
@@ -112,10 +116,6 @@ def kernel_floor(parent: str, n: int) -> float:
         os.close(fd)
     proc.wait()
     return elapsed
-
-
-# How long the floor re-reads cgroup.events back to back after the kill (cgroupfs.SPIN_FOR).
-FLOOR_SPIN = 0.005
 
 
 def _removed(path: str) -> bool:

@@ -43,16 +43,19 @@ class CgroupKiller:
         self._path_on_mount = path_on_mount
         self.cgroup_kill_works = cgroup_kill is not False
 
-    def _refuse_protected(self, cg: Cgroup) -> list[int]:
+    def _refuse_protected(self, cg: Cgroup, checked: list[int] | None = None) -> list[int]:
         """Refuse to kill or freeze outside the managed root, or a cgroup holding the caller, one of
         its ancestors or PID 1 (as `procfs.protected` reads them: once per abandon); the pids of
-        `cg`'s subtree, as read for the check.
+        `cg`'s subtree, as read for the check. `checked`: that reading, made just before by
+        `unprotected_members` (an abandon's first kill): taken as it is.
 
         Raises:
             UnsafeOperation: naming the cgroup and why.
         """
         if not self.inside_root(cg):
             raise UnsafeOperation(f"refusing to kill {cg.path}: outside the managed root {self.root.path}")
+        if checked is not None:
+            return checked
         pids = cg.procs_recursive()
         who = _protected_among(pids)
         if who is not None:
@@ -104,12 +107,7 @@ class CgroupKiller:
     def kill(self, cg: Cgroup, checked: list[int] | None = None) -> list[int]:
         """SIGKILL `cg`'s subtree: cgroup.kill, else freeze-and-kill; the pids hit. `checked`: its
         members as `unprotected_members` read them just before (Backend.kill_members)."""
-        if checked is None:
-            pids = self._refuse_protected(cg)
-        elif self.inside_root(cg):
-            pids = checked
-        else:
-            raise UnsafeOperation(f"refusing to kill {cg.path}: outside the managed root {self.root.path}")
+        pids = self._refuse_protected(cg, checked)
         if self.cgroup_kill_works:
             try:
                 cg.kill()

@@ -168,11 +168,6 @@ def parse_pressure(text: str) -> dict[str, dict[str, float]]:
     """cpu.pressure / memory.pressure / io.pressure (PSI, 4.20+): `some|full avg10=.. avg60=..
     avg300=.. total=..` per line -> {"some": {"avg10": 1.5, ..., "total": 123}, "full": {...}}.
     avg* are percentages as the kernel prints them; total is stall time in microseconds."""
-    both = _PSI_FILE.fullmatch(text)  # `ps` parses three of these per turn: the usual file in one match
-    if both is not None:
-        s10, s60, s300, stotal, f10, f60, f300, ftotal = both.groups()
-        return {"some": {"avg10": float(s10), "avg60": float(s60), "avg300": float(s300), "total": int(stotal)},
-                "full": {"avg10": float(f10), "avg60": float(f60), "avg300": float(f300), "total": int(ftotal)}}
     out: dict[str, dict[str, float]] = {}
     for line in text.splitlines():
         kind, _, rest = line.partition(" ")
@@ -184,7 +179,7 @@ def parse_pressure(text: str) -> dict[str, dict[str, float]]:
 
 _PSI_PAIR = re.compile(r"(\w+)=(\d+(?:\.\d+)?)(?!\S)")  # key=number; another value is skipped
 # Both lines as the kernel prints them (kernel/sched/psi.c, psi_show: "%s avg10=%lu.%02lu avg60=%lu.%02lu
-# avg300=%lu.%02lu total=%llu\n"), numbers as _PSI_PAIR takes them: what the loop above would make of it.
+# avg300=%lu.%02lu total=%llu\n"), numbers as _PSI_PAIR takes them: what parse_pressure would make of it.
 _PSI_LINE = r" avg10=(\d+(?:\.\d+)?) avg60=(\d+(?:\.\d+)?) avg300=(\d+(?:\.\d+)?) total=(\d+)\n"
 _PSI_FILE = re.compile("some" + _PSI_LINE + "full" + _PSI_LINE)
 
