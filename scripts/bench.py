@@ -22,11 +22,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import errno
 import json
 import os
 import random
-import select
 import statistics
 import subprocess
 import sys
@@ -41,7 +39,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # tests/escapers.py: the 
 import psutil  # noqa: E402
 
 from benchlib import (  # noqa: E402
-    SHIM, bench_root, cgroup_members, cgturn_abandon, churn, destroy, ms, time_spawn, tree_argv, wait_settled)
+    SHIM, bench_root, cgturn_abandon, churn, destroy, floor_abandon, ms, time_spawn, tree_argv, wait_settled)
 
 from cgturn import TurnManager  # noqa: E402
 from cgturn.testing import spawn_paths_available  # noqa: E402
@@ -74,61 +72,6 @@ def psutil_recipe(mgr: TurnManager, n: int) -> tuple[float, float]:
     return dead, reaped
 
 
-# How long the floor re-reads cgroup.events back to back after the kill (cgroupfs.SPIN_FOR).
-FLOOR_SPIN = 0.005
-
-
-def kernel_floor(parent: str, n: int) -> float:
-    """The kernel's own work of an abandon, timed alone on the same tree as cgturn's row: write
-    cgroup.kill, re-read cgroup.events until it says `populated 0`, rmdir (again while EBUSY).
-
-    The file is re-read as cgturn's own wait re-reads it (cgroupfs.Cgroup.wait_events), written
-    here with the standard library alone: back to back for the first 5 ms after the kill began,
-    with sched_yield(2) between reads so the dying processes get the CPU on a small machine, then
-    at least every 1 ms asleep in poll(2). Not poll(2) from the start: the kernel rate-limits
-    cgroup.events notifications (10 ms, kernel/cgroup/cgroup.c), so a poll timeout would time the
-    timeout. Not a spin to the end either: a kill of 100 processes here often returns from the
-    write only after 2-8 ms (the processes it woke preempt the writer and queue on its CPU), and
-    a spin after that takes the CPU they need: such a floor's median was 10.5-12 ms where this
-    one's is 8.5-9.1 ms, its 90th percentile 48-60 ms against 11-14 ms (150-300 rounds each).
-    The tree is put in place as benchlib.floor_abandon does (mkdir, the shim joins it, n
-    processes), and left to come to rest (benchlib.wait_settled), untimed.
-    """
-    path = os.path.join(parent, f"floor-{uuid.uuid4().hex[:8]}")
-    os.mkdir(path)
-    proc = subprocess.Popen(["/bin/sh", "-c", SHIM, os.path.join(path, "cgroup.procs"), *tree_argv(n)])
-    wait_settled(cgroup_members(path), n)
-    events = os.open(os.path.join(path, "cgroup.events"), os.O_RDONLY)
-    kill = os.open(os.path.join(path, "cgroup.kill"), os.O_WRONLY)
-    poller = select.poll()
-    poller.register(events, select.POLLPRI)
-    t0 = time.perf_counter()
-    os.write(kill, b"1")
-    while b"populated 0" not in os.pread(events, 4096, 0):
-        if time.perf_counter() - t0 < FLOOR_SPIN:
-            os.sched_yield()
-        else:
-            poller.poll(1)
-    while not _removed(path):  # EBUSY while the kernel finishes its own bookkeeping
-        pass
-    elapsed = time.perf_counter() - t0
-    for fd in (kill, events):
-        os.close(fd)
-    proc.wait()
-    return elapsed
-
-
-def _removed(path: str) -> bool:
-    """rmdir `path`: True once done, False on EBUSY (anything else raises)."""
-    try:
-        os.rmdir(path)
-    except OSError as err:
-        if err.errno == errno.EBUSY:
-            return False
-        raise
-    return True
-
-
 def registry_manager(state_root: str) -> TurnManager:
     # Opened per measurement and closed after: the registry makes this process a child subreaper,
     # which would otherwise change where the other rows' orphans go.
@@ -158,7 +101,7 @@ def abandon_rows(root_mgr: TurnManager, floor_dir: str, state_root: str, sizes: 
     for n in sizes:
         got = {"floor": [], "cgroup2": [], "registry": [], "psutil dead": [], "psutil wait_procs": []}
         for i in range(max(rounds, small_rounds) if n <= SMALL_TREE else rounds):
-            pair = [("floor", lambda: kernel_floor(floor_dir, n)), ("cgroup2", lambda: cgturn_abandon(root_mgr, n))]
+            pair = [("floor", lambda: floor_abandon(floor_dir, n)), ("cgroup2", lambda: cgturn_abandon(root_mgr, n))]
             for name, measure in pair if i % 2 == 0 else reversed(pair):
                 got[name].append(measure())
             if not registry or i >= rounds:  # --abandon-only: the floor and cgroup2 alone
@@ -528,7 +471,7 @@ def print_abandon_targets(abandon) -> None:
 def print_table(abandon, escaped, spawn, churn_rates, per_turn, listing) -> None:
     print("\n## Abandon latency (median ms; tree of n processes; grace=0; same run, alternating)\n")
     print("(kernel floor: cgroup.kill, cgroup.events re-read until `populated 0`, rmdir, timed alone on the same "
-          "tree: kernel_floor)\n")
+          "tree: benchlib.floor_abandon)\n")
     print("| n | kernel floor | cgroup2 | cgroup2 - floor | cgroup2/floor | target | met | registry "
           "| psutil until dead | psutil + wait_procs | cgroup2/psutil dead |")
     print("|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 from bench_many_floors import PS_FILES, TURNS_FILES, floor_reads, floor_tree, interpreter_start  # noqa: E402
 from bench_many_procs import abandon_elsewhere, cli_wall, print_pairs, side_by_side  # noqa: E402
-from benchlib import bench_root, destroy, floor_abandon, ms  # noqa: E402
+from benchlib import bench_root, destroy, floor_abandon, ms, wait_settled  # noqa: E402
 
 from cgturn import Supervisor, TurnManager  # noqa: E402
 
@@ -103,10 +103,12 @@ class CollectorTime:
 
 def abandon_one(mgr: TurnManager, task: str, turn_id: str, collector: CollectorTime | None = None,
                 gc_off: bool = False) -> float:
-    """abandon(grace=0) of a fresh turn holding one sleeping process; the time the garbage collector
-    took meanwhile is added to `collector`; with `gc_off` the collector is off for the abandon."""
+    """abandon(grace=0) of a fresh turn holding one sleeping process, at rest as the floor's is
+    (benchlib.wait_settled); the time the garbage collector took meanwhile is added to `collector`;
+    with `gc_off` the collector is off for the abandon."""
     turn = mgr.begin_turn(task, turn_id)
     proc = turn.spawn(SLEEP)
+    wait_settled(turn.pids, 1)
     if collector is not None:
         gc.callbacks.append(collector)
     if gc_off:
