@@ -8,6 +8,10 @@
  * the parent can run in the child; the child resets handled signals to SIG_DFL and restores the
  * caller's mask just before execve. CLONE_VFORK suspends only the calling thread until the child
  * execs or exits, so the parent's memory (argv, envp, the stack buffer) stays valid for the child.
+ * The kernel wakes the parent as the exec lets go of the old memory, just before it installs the new
+ * (fs/exec.c, exec_mmap: exec_mm_release, then tsk->mm = mm), so for that moment a reader of the
+ * child's /proc/PID/cmdline may still get the caller's, under emulation even after spawn() returned:
+ * the child touches none of the caller's memory by then.
  *
  * Failures before or at exec are written to a CLOEXEC pipe as "OSError:<hex errno>:<stage>", the
  * format _posixsubprocess uses; an exec that succeeds closes the pipe, so the parent reads EOF. The

@@ -70,8 +70,10 @@ def test_a_sealed_root_process_cannot_lift_v2_memory_max_or_pids_max(unit_manage
                       text=True, cwd=str(tmp_path))
     mgr.test_procs.append(proc)
     attacker = attacker_pid(turn)
-    # the extension's sandbox: its init (not bubblewrap) is what Popen holds, once it has exec'd
-    # (until then it carries the caller's cmdline, as tests/test_seal_native.py waits for too)
+    # the extension's sandbox: its init (not bubblewrap) is what Popen holds. Waited for, as
+    # tests/test_seal_native.py does: the kernel releases the vfork caller just before it gives the
+    # exec'ing init its new memory (fs/exec.c exec_mmap), and until then /proc/PID/cmdline reads the
+    # caller's; a CI run under emulation once read it after spawn() had returned (cgturn/_spawn.c)
     assert wait_until(lambda: open(f"/proc/{proc.pid}/cmdline", "rb").read() == b"cgturn-init\0")
     assert os.readlink(f"/proc/{attacker}/ns/mnt") != os.readlink("/proc/1/ns/mnt")  # before any mount call
     proc.stdin.write("go\n")
