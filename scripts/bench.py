@@ -83,24 +83,31 @@ def _load(before: float) -> str:
     return f"load {before:.1f} before / {os.getloadavg()[0]:.1f} after"
 
 
-# Trees of up to this many processes: the floor and cgroup2 rows get at least --small-rounds rounds.
+# Trees of up to this many processes: the floor and cgroup2 rows get at least --small-rounds rounds,
+# and trees of up to TINY_TREE processes at least --tiny-rounds.
 SMALL_TREE = 100
+TINY_TREE = 10
 
 
 def abandon_rows(root_mgr: TurnManager, floor_dir: str, state_root: str, sizes: list[int],
-                 rounds: int, small_rounds: int, registry: bool = True) -> list[dict]:
+                 rounds: int, small_rounds: int, tiny_rounds: int = 0, registry: bool = True) -> list[dict]:
     """Per size: the kernel floor and cgroup2 in the same rounds, taking turns at going first (either
     order alone would leave one row the other's aftermath: its PID 1 reaping, its cgroup's release),
     and the registry and psutil rows in the first `rounds` of them.
 
     A small tree's kill takes well under 1 ms to ~50 ms here, a few times more at the 90th
     percentile than at the median (the dying processes wake on both virtual CPUs), so the rows of
-    trees of up to SMALL_TREE processes take the medians of at least `small_rounds` rounds.
+    trees of up to SMALL_TREE processes take the medians of at least `small_rounds` rounds. A tree of
+    up to TINY_TREE processes dies in under a millisecond, and the floor's kill of 10 processes is
+    bimodal here (the write returns at once, or after the woken processes ran first: 0.5 against
+    0.7 ms): in blocks of 200 rounds its median moved 0.50-0.74 ms while cgroup2's stayed at
+    0.74-0.78 ms, so these take at least `tiny_rounds` rounds (a few seconds in all).
     """
     rows = []
     for n in sizes:
         got = {"floor": [], "cgroup2": [], "registry": [], "psutil dead": [], "psutil wait_procs": []}
-        for i in range(max(rounds, small_rounds) if n <= SMALL_TREE else rounds):
+        least = max(small_rounds, tiny_rounds if n <= TINY_TREE else 0) if n <= SMALL_TREE else 0
+        for i in range(max(rounds, least)):
             pair = [("floor", lambda: floor_abandon(floor_dir, n)), ("cgroup2", lambda: cgturn_abandon(root_mgr, n))]
             for name, measure in pair if i % 2 == 0 else reversed(pair):
                 got[name].append(measure())
@@ -528,6 +535,8 @@ def main() -> int:
     ap.add_argument("--small-rounds", type=int, default=40,
                     help=f"at least this many rounds of the floor and cgroup2 abandon rows of trees of up to "
                          f"{SMALL_TREE} processes")
+    ap.add_argument("--tiny-rounds", type=int, default=200,
+                    help=f"at least this many rounds of those rows of trees of up to {TINY_TREE} processes")
     ap.add_argument("--sizes", default="1,10,100,500,1000")
     ap.add_argument("--spawns", type=int, default=200)
     ap.add_argument("--turns", type=int, default=1000)
@@ -542,7 +551,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.sizes, args.spawns, args.turns, args.per_turn = 1, "1,10,100", 50, 100, 100
-        args.small_rounds = 5
+        args.small_rounds = args.tiny_rounds = 5
     sizes = [int(s) for s in args.sizes.split(",")]
     root = bench_root()
     if root is None:
@@ -564,11 +573,11 @@ def main() -> int:
                 with TurnManager(root=os.path.join(root, "main"), backend="cgroup2",
                                  state_dir=os.path.join(state, "main")) as mgr:
                     abandon = abandon_rows(mgr, os.path.join(root, "floor"), state, sizes, args.rounds, args.small_rounds,
-                                           registry=False)
+                                           args.tiny_rounds, registry=False)
             finally:
                 destroy(root)
             print(f"cgturn abandon bench on {os.uname().release}, {os.cpu_count()} CPUs, Python "
-                  f"{sys.version.split()[0]}, rounds={args.rounds} (small trees {args.small_rounds}), total {time.monotonic() - started:.0f} s, "
+                  f"{sys.version.split()[0]}, rounds={args.rounds} (small trees {args.small_rounds}, tiny {args.tiny_rounds}), total {time.monotonic() - started:.0f} s, "
                   f"{_load(load_before)}")
             print_abandon_targets(abandon)
             return 0
@@ -594,7 +603,8 @@ def main() -> int:
             os.mkdir(os.path.join(root, "floor"))
             with TurnManager(root=os.path.join(root, "main"), backend="cgroup2",
                              state_dir=os.path.join(state, "main")) as mgr:
-                abandon = abandon_rows(mgr, os.path.join(root, "floor"), state, sizes, args.rounds, args.small_rounds)
+                abandon = abandon_rows(mgr, os.path.join(root, "floor"), state, sizes, args.rounds, args.small_rounds,
+                                       args.tiny_rounds)
                 escaped = escaper_rows(mgr, state)
                 print("  escapers done", file=sys.stderr, flush=True)
                 spawn = spawn_rows(mgr, state, args.spawns)
@@ -614,7 +624,7 @@ def main() -> int:
         finally:
             destroy(root)
     print(f"cgturn bench on {os.uname().release}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
-          f"rounds={args.rounds} (small trees' abandon {args.small_rounds}), total {time.monotonic() - started:.0f} s, "
+          f"rounds={args.rounds} (small trees' abandon {args.small_rounds}, tiny {args.tiny_rounds}), total {time.monotonic() - started:.0f} s, "
           f"{_load(load_before)}")
     print_table(abandon, escaped, spawn, churn_rates, per_turn, listing)
     bench_aio.print_results(async_turn, args.per_turn)
