@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchlib import bench_root, destroy, floor_abandon, ms, tree_argv, wait_settled  # noqa: E402
+from benchlib import bench_root, cgturn_abandon, destroy, floor_abandon, ms  # noqa: E402
 
 from cgturn import TurnManager, audit  # noqa: E402
 
@@ -64,17 +64,13 @@ def _patch(backend: type) -> None:
 
 
 def abandon(mgr: TurnManager, n: int, left_out: set[str]) -> float:
-    turn = mgr.begin_turn("bench-parts")
-    proc = turn.spawn(tree_argv(n))
-    wait_settled(turn.pids, n)
+    """benchlib.cgturn_abandon with the steps `left_out` skipped (the begin, spawn and wait for rest
+    before the abandon run none of them)."""
     _LEFT_OUT.update(left_out)
     try:
-        t0 = time.perf_counter()
-        turn.abandon("bench", grace=0)
-        return time.perf_counter() - t0
+        return cgturn_abandon(mgr, n)
     finally:
         _LEFT_OUT.clear()
-        proc.wait()
 
 
 def main() -> int:
