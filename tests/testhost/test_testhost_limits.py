@@ -176,7 +176,6 @@ def test_a_partly_delegated_unit_offers_what_it_delegates_and_refuses_the_rest(u
     assert read(turn_dir(mgr, turn), "pids.max") == "10"
 
 
-
 @pytest.mark.parametrize("unit_manager", ["+pids +memory"], indirect=True)
 def test_a_controller_that_leaves_the_parent_after_the_layout_was_read_does_not_stop_turns(unit_manager, caplog,
                                                                                            monkeypatch):
@@ -216,6 +215,7 @@ def test_a_controller_that_leaves_the_parent_after_the_layout_was_read_does_not_
     finally:
         later.close()
     turn.complete()
+
 
 # --- 2. memory.max and memory.oom.group ------------------------------------------------------------------
 
